@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from trainer.errors import ConfigError
+from trainer.tools import ToolEndpoint
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -74,17 +75,8 @@ class DataConfig(Section):
     )
 
 
-class ToolEndpointConfig(Section):
-    name: str = Field(description="Tool name as the model calls it.")
-    server_url: str = Field(description="URL the tool call is POSTed to.")
-    headers: dict[str, str] = Field(
-        default_factory=dict,
-        description="Request headers; values may reference environment variables as ${NAME}.",
-    )
-
-
 class ToolsConfig(Section):
-    endpoints: list[ToolEndpointConfig] = Field(
+    endpoints: list[ToolEndpoint] = Field(
         default_factory=list, description="One endpoint per tool (OpenAI Agent RFT shape)."
     )
     schemas: list[dict[str, Any]] | None = Field(

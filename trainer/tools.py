@@ -1,0 +1,543 @@
+"""Async HTTP client for the user's tools, wire-compatible with OpenAI Agent RFT.
+
+During a rollout the model emits tool calls; this module turns each one into
+`POST server_url` with the body `{"type": "function_call", "id", "call_id", "name",
+"arguments": "<JSON string>", "item", "trace_id"}` and reads back
+`{"type": "function_call_output", "call_id", "id", "output": "<string>"}`.
+
+The one idea that shapes it: a failed call is either the *model's* fault or the
+*infrastructure's*, and the two must never be confused.
+
+- The model's mistakes become a `ToolCallResult` with `error` set and an `output` the
+  model reads on its next turn, exactly as a 4xx answer would be: `unknown_tool`,
+  `invalid_json`, `invalid_arguments` (checked locally against the tool's JSON schema,
+  before any request is sent), `request_too_large` (the arguments make the request
+  body exceed `max_body_bytes`) and `http_4xx` (the server's error text, e.g. FastAPI's
+  `detail`, formatted as `Error 404: <detail>`).
+- Infrastructure failures (5xx, 408/429, timeouts, refused or dropped connections, a 2xx
+  answer that is not `{"output": "<string>"}`) are retried with exponential backoff and
+  then raise `InfraError`; an answer bigger than `max_body_bytes` raises at once. The
+  caller marks the rollout `infra_error` and leaves it out of the loss.
+
+Header values may name environment variables (`"Bearer ${FINQA_TOKEN}"`); they are
+resolved once, when the client is built, and the resolved values live only in a private
+attribute: they never appear in a repr, a log line or an exception message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import jsonschema
+from jsonschema.exceptions import best_match
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from trainer.errors import AgentRFTError, ConfigError, DataError, InfraError
+
+logger = logging.getLogger(__name__)
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# 408 and 429 are 4xx by number but say "the server is busy", not "the model erred".
+_RETRIED_4XX = frozenset({408, 429})
+# How much of a failing answer's body an InfraError quotes: enough to read the cause.
+_QUOTED_BODY_CHARS = 300
+# Shorter environment values (a region, a flag) are not secrets; scrubbing them would
+# garble outputs.
+_MIN_SECRET_CHARS = 8
+
+
+class ToolEndpoint(BaseModel):
+    """Where one tool is served: the job's `{"name", "server_url", "headers"}` entry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Tool name, as in the tool's schema (`function.name`).")
+    server_url: str = Field(description="URL the tool calls are POSTed to (http or https).")
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="HTTP headers sent with every call; values may name environment "
+        "variables as ${NAME}, resolved when the client starts (keep secrets out of configs).",
+    )
+
+    @field_validator("server_url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"server_url must be an http(s) URL with a host, got {url!r}")
+        return url
+
+
+@dataclass
+class ToolCallResult:
+    """One answered tool call, as the rollout records it and the model reads it."""
+
+    call_id: str
+    name: str
+    arguments: str  # the JSON string the model wrote, unchanged
+    output: str  # what the model sees next (the tool's output or the error text)
+    latency_s: float  # whole call: validation, queueing, every attempt and backoff
+    error: str | None  # None, or the model-mistake kind (see the module docstring)
+    status_code: int | None  # HTTP status of the answer; None when nothing was sent
+    truncated: bool  # output was cut to max_output_chars
+    attempts: int  # HTTP requests sent (0 when the call was refused locally)
+
+
+def new_trace_id() -> str:
+    """A rollout id in OpenAI's shape; every tool call of one rollout carries it."""
+    return "trace_" + uuid.uuid4().hex
+
+
+def new_call_id() -> str:
+    """A tool-call id in OpenAI's shape, for calls whose id the model did not give."""
+    return "call_" + uuid.uuid4().hex
+
+
+def resolve_headers(headers: dict[str, str], *, where: str) -> dict[str, str]:
+    """Replace every `${NAME}` in the header values with the environment variable NAME.
+
+    `where` names the headers mapping in the config (e.g. "tools.endpoints[0].headers"); a missing
+    variable raises ConfigError naming it and the header, never showing any value.
+    """
+    resolved = {}
+    for key, template in headers.items():
+
+        def lookup(match: re.Match[str], key: str = key) -> str:
+            var = match.group(1)
+            if var not in os.environ:
+                raise ConfigError(
+                    f"{where}.{key}: environment variable {var} is not set; "
+                    f"export {var} before starting (secrets stay out of config files)"
+                )
+            return os.environ[var]
+
+        resolved[key] = _ENV_REF.sub(lookup, template)
+    return resolved
+
+
+class _InfraFailure(Exception):
+    """One failed attempt that is worth retrying; `reason` is safe to show."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _ResponseTooLarge(Exception):
+    """The answer exceeded max_body_bytes; retrying would not shrink it."""
+
+
+@dataclass
+class _Tool:
+    endpoint: ToolEndpoint
+    headers: dict[str, str]  # resolved: holds secrets, never printed
+    semaphore: asyncio.Semaphore
+
+
+class ToolClient:
+    """Calls the user's tool endpoints for rollouts; one shared HTTP connection pool.
+
+    `schemas` are the tools offered to the model (Chat Completions shape); None offers
+    each item's own `tools` field instead, as OpenAI RFT rows carry them.
+
+    Retries: `max_retries` is the number of attempts *in all*, the first one included
+    (DESIGN: "retried with backoff (3 tries)"), so the default sends at most 3 requests.
+    Between attempts it waits `backoff_s * 2**(attempt-1)`, scaled by a jitter factor in
+    [0.5, 1) drawn from a RNG seeded with `seed`, so that concurrent rollouts do not
+    retry in lockstep and runs stay reproducible. `timeout_s` is a deadline for each
+    attempt as a whole (OpenAI gives tools 10 minutes).
+
+    Use one client inside one event loop (`async with ToolClient(...) as tools:`): its
+    connection pool and semaphores belong to the loop that first uses them.
+    """
+
+    def __init__(
+        self,
+        endpoints: list[ToolEndpoint],
+        schemas: list[dict] | None,
+        *,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_output_chars: int = 4000,
+        max_concurrency_per_endpoint: int = 16,
+        allowed_hosts: list[str] | None = None,
+        max_body_bytes: int = 1_000_000,
+        seed: int = 0,
+    ):
+        for key, value, ok, rule in (
+            ("timeout_s", timeout_s, timeout_s > 0, "> 0"),
+            ("backoff_s", backoff_s, backoff_s >= 0, ">= 0"),
+            ("max_retries", max_retries, max_retries >= 1, ">= 1 (attempts in all)"),
+            ("max_output_chars", max_output_chars, max_output_chars >= 1, ">= 1"),
+            (
+                "max_concurrency_per_endpoint",
+                max_concurrency_per_endpoint,
+                max_concurrency_per_endpoint >= 1,
+                ">= 1",
+            ),
+            ("max_body_bytes", max_body_bytes, max_body_bytes >= 1, ">= 1"),
+        ):
+            if not ok:
+                raise ConfigError(f"tool client: {key} must be {rule}, got {value}")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_output_chars = max_output_chars
+        self.max_body_bytes = max_body_bytes
+        self._rng = random.Random(seed)
+
+        self._tools: dict[str, _Tool] = {}
+        secrets: set[str] = set()
+        for i, endpoint in enumerate(endpoints):
+            where = f"tools.endpoints[{i}]"
+            if endpoint.name in self._tools:
+                raise ConfigError(f"{where}: tool {endpoint.name!r} has two endpoints; keep one")
+            host = urlparse(endpoint.server_url).hostname
+            if allowed_hosts is not None and host not in allowed_hosts:
+                raise ConfigError(
+                    f"{where}.server_url: host {host!r} of tool {endpoint.name!r} is not in "
+                    f"allowed_hosts {allowed_hosts}; add it there or fix the URL"
+                )
+            self._tools[endpoint.name] = _Tool(
+                endpoint=endpoint,
+                headers=resolve_headers(endpoint.headers, where=f"{where}.headers"),
+                semaphore=asyncio.Semaphore(max_concurrency_per_endpoint),
+            )
+            secrets.update(
+                os.environ[var]
+                for template in endpoint.headers.values()
+                for var in _ENV_REF.findall(template)
+            )
+        # The config's schemas, checked now; None means each item's `tools` (compiled
+        # once per distinct list, as rows usually share one).
+        self._schemas = (
+            None if schemas is None else self._compile(schemas, "tools.schemas", ConfigError)
+        )
+        self._item_schemas: dict[str, dict[str, Any]] = {}
+        # One pool sized so that every endpoint can use its whole concurrency at once.
+        pool = max_concurrency_per_endpoint * max(len(self._tools), 1)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
+        )
+        # Values that came from the environment are scrubbed from every text taken from
+        # a server (outputs, error texts), so that an echoing server cannot carry a
+        # secret into rollout records or logs. Longest first: one may contain another.
+        self._secrets = sorted(
+            (v for v in secrets if len(v) >= _MIN_SECRET_CHARS), key=len, reverse=True
+        )
+
+    def __repr__(self) -> str:
+        # Header *templates* only: the resolved values may be secrets.
+        endpoints = ", ".join(
+            f"{t.endpoint.name}={t.endpoint.server_url} headers={t.endpoint.headers}"
+            for t in self._tools.values()
+        )
+        return (
+            f"ToolClient({endpoints}; max_retries={self.max_retries}, timeout_s={self.timeout_s})"
+        )
+
+    async def __aenter__(self) -> ToolClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the shared connection pool."""
+        await self._http.aclose()
+
+    async def call(
+        self,
+        name: str,
+        arguments: str,
+        *,
+        item: dict,
+        trace_id: str,
+        call_id: str | None = None,
+    ) -> ToolCallResult:
+        """Run one tool call; the model's mistakes come back as results, infra raises.
+
+        Raises InfraError when the endpoint keeps failing or answers too much, and
+        DataError when the item alone makes the request larger than max_body_bytes.
+        """
+        start = time.perf_counter()
+        call_id = call_id or new_call_id()
+
+        def answer(
+            output: str, error: str | None, status: int | None, attempts: int
+        ) -> ToolCallResult:
+            output, truncated = self._truncate(output)
+            return ToolCallResult(
+                call_id=call_id,
+                name=name,
+                arguments=arguments,
+                output=output,
+                latency_s=time.perf_counter() - start,
+                error=error,
+                status_code=status,
+                truncated=truncated,
+                attempts=attempts,
+            )
+
+        validators = self._validators(item)
+        if name not in validators:
+            return answer(
+                f"Error: unknown tool {name!r}; available tools: {', '.join(sorted(validators))}",
+                "unknown_tool",
+                None,
+                0,
+            )
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            return answer(
+                f"Error: arguments for {name} are not valid JSON ({exc}); "
+                "send one JSON object matching the tool's parameters",
+                "invalid_json",
+                None,
+                0,
+            )
+        problem = best_match(validators[name].iter_errors(parsed))
+        if problem is not None:
+            at = f" (at {problem.json_path})" if problem.path else ""
+            return answer(
+                f"Error: invalid arguments for {name}: {problem.message}{at}",
+                "invalid_arguments",
+                None,
+                0,
+            )
+
+        body = {
+            "type": "function_call",
+            "id": "fc_" + uuid.uuid4().hex,
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "item": item,
+            "trace_id": trace_id,
+        }
+        content = json.dumps(body).encode()
+        if len(content) > self.max_body_bytes:
+            without_arguments = len(json.dumps({**body, "arguments": ""}).encode())
+            if without_arguments > self.max_body_bytes:
+                raise DataError(
+                    f"item {item.get('id')!r}: the row is about {without_arguments} bytes as a "
+                    f"tool request, over max_body_bytes={self.max_body_bytes}; shrink the row "
+                    "or raise max_body_bytes"
+                )
+            return answer(
+                f"Error: the arguments for {name} make the request {len(content)} bytes, over "
+                f"the {self.max_body_bytes}-byte limit; send shorter arguments",
+                "request_too_large",
+                None,
+                0,
+            )
+
+        status, text, attempts = await self._post_with_retries(self._tools[name], content)
+        if status >= 400:
+            return answer(f"Error {status}: {_error_detail(text)}", "http_4xx", status, attempts)
+        return answer(text, None, status, attempts)
+
+    async def call_many(
+        self,
+        calls: list[tuple[str, str, str | None]],
+        *,
+        item: dict,
+        trace_id: str,
+    ) -> list[ToolCallResult]:
+        """Run the `(name, arguments, call_id)` calls of one assistant turn concurrently.
+
+        Results keep the order of `calls`. Every call runs to its end before the first
+        failure (in order) is raised, so no request is left running unobserved.
+        """
+        outcomes = await asyncio.gather(
+            *(
+                self.call(name, args, item=item, trace_id=trace_id, call_id=cid)
+                for name, args, cid in calls
+            ),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return list(outcomes)
+
+    async def _post_with_retries(self, tool: _Tool, content: bytes) -> tuple[int, str, int]:
+        """POST until a 2xx or model-fault 4xx; returns (status, output or error text, attempts)."""
+        endpoint = tool.endpoint
+        for attempt in range(1, self.max_retries + 1):
+            try:
+                async with tool.semaphore:
+                    status, text = await self._post_once(tool, content)
+                return status, text, attempt
+            except _ResponseTooLarge:
+                raise InfraError(
+                    f"tool endpoint {endpoint.name!r} ({endpoint.server_url}) answered more than "
+                    f"max_body_bytes={self.max_body_bytes} bytes; make the tool return less or "
+                    "raise max_body_bytes",
+                    endpoint=endpoint.name,
+                    attempts=attempt,
+                ) from None
+            except _InfraFailure as failure:
+                reason = self._scrub(failure.reason)
+            if attempt < self.max_retries:
+                delay = self.backoff_s * 2 ** (attempt - 1) * (0.5 + 0.5 * self._rng.random())
+                logger.warning(
+                    "tool %s attempt %d/%d failed (%s); retrying in %.2f s",
+                    endpoint.name,
+                    attempt,
+                    self.max_retries,
+                    reason,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+        raise InfraError(
+            f"tool endpoint {endpoint.name!r} ({endpoint.server_url}) failed after "
+            f"{self.max_retries} attempts; last: {reason}. Check that the tool server is "
+            "running and healthy",
+            endpoint=endpoint.name,
+            attempts=self.max_retries,
+        )
+
+    async def _post_once(self, tool: _Tool, content: bytes) -> tuple[int, str]:
+        """One attempt: (status, output) for a good 2xx, (status, body) for a model-fault 4xx."""
+        headers = {"Content-Type": "application/json", **tool.headers}
+        try:
+            # httpx's timeouts are per operation (connect, each read); this makes the
+            # attempt as a whole meet the deadline even if the server trickles bytes.
+            async with asyncio.timeout(self.timeout_s):
+                async with self._http.stream(
+                    "POST", tool.endpoint.server_url, content=content, headers=headers
+                ) as response:
+                    raw = await self._read_capped(response)
+        except (TimeoutError, httpx.TimeoutException):
+            raise _InfraFailure(f"timed out after {self.timeout_s} s") from None
+        except httpx.RequestError as exc:
+            raise _InfraFailure(f"{type(exc).__name__}: {exc}") from None
+
+        text = raw.decode(response.encoding or "utf-8", errors="replace")
+        status = response.status_code
+        if 400 <= status < 500 and status not in _RETRIED_4XX:
+            return status, self._scrub(text)
+        if not 200 <= status < 300:
+            raise _InfraFailure(f"HTTP {status}: {text[:_QUOTED_BODY_CHARS]}")
+        try:
+            answer = json.loads(text)
+        except json.JSONDecodeError:
+            raise _InfraFailure(
+                f"HTTP {status} answer is not JSON: {text[:_QUOTED_BODY_CHARS]!r}"
+            ) from None
+        if not isinstance(answer, dict) or not isinstance(answer.get("output"), str):
+            raise _InfraFailure(
+                f'HTTP {status} answer lacks a string "output": {text[:_QUOTED_BODY_CHARS]!r}'
+            )
+        return status, self._scrub(answer["output"])
+
+    async def _read_capped(self, response: httpx.Response) -> bytes:
+        """The response body, refusing (early, where the server says its length) past the cap."""
+        declared = response.headers.get("Content-Length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise _ResponseTooLarge
+        chunks, size = [], 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _ResponseTooLarge
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _validators(self, item: dict) -> dict[str, Any]:
+        """The tools offered for this item, by name: the config's, else the item's own."""
+        if self._schemas is not None:
+            return self._schemas
+        tools = item.get("tools")
+        if not isinstance(tools, list):
+            raise DataError(
+                f"item {item.get('id')!r}: has no `tools` list and the config gives no "
+                "tools.schemas; add one of them"
+            )
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._item_schemas:
+            self._item_schemas[key] = self._compile(
+                tools, f"item {item.get('id')!r} tools", DataError
+            )
+        return self._item_schemas[key]
+
+    def _compile(
+        self, schemas: list[dict], where: str, error: type[AgentRFTError]
+    ) -> dict[str, Any]:
+        """A jsonschema validator per tool name, for Chat Completions (or flat) schemas.
+
+        Every offered tool must have an endpoint; a tool with an endpoint but no schema
+        is simply not offered (a prompt variant may offer a subset).
+        """
+        validators: dict[str, Any] = {}
+        for i, schema in enumerate(schemas):
+            function = schema.get("function", schema) if isinstance(schema, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str) or not name:
+                raise error(f"{where}[{i}]: function.name is missing")
+            if name in validators:
+                raise error(f"{where}[{i}]: tool {name!r} is declared twice; keep one")
+            if name not in self._tools:
+                raise ConfigError(
+                    f"{where}[{i}]: tool {name!r} is offered to the model but tools.endpoints "
+                    f"has no endpoint for it; add a {{name, server_url}} entry"
+                )
+            parameters = function.get("parameters", {"type": "object"})
+            cls = jsonschema.validators.validator_for(
+                parameters, default=jsonschema.Draft202012Validator
+            )
+            try:
+                cls.check_schema(parameters)
+            except jsonschema.SchemaError as exc:
+                raise error(
+                    f"{where}[{i}] ({name}): parameters is not a valid JSON schema: {exc.message}"
+                ) from None
+            validators[name] = cls(parameters)
+        return validators
+
+    def _truncate(self, output: str) -> tuple[str, bool]:
+        extra = len(output) - self.max_output_chars
+        if extra <= 0:
+            return output, False
+        return output[: self.max_output_chars] + f"\n[output truncated: {extra} more chars]", True
+
+    def _scrub(self, text: str) -> str:
+        """Hide any resolved secret a server might have echoed into text we quote."""
+        for secret in self._secrets:
+            text = text.replace(secret, "[redacted]")
+        return text
+
+
+def _error_detail(text: str) -> str:
+    """The part of a 4xx body the model should read: FastAPI's `detail`, else the body."""
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    if isinstance(payload, dict):
+        for key in ("detail", "error", "message"):
+            if key in payload:
+                detail = payload[key]
+                return detail if isinstance(detail, str) else json.dumps(detail)
+    return text
