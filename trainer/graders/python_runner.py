@@ -1,0 +1,228 @@
+"""Child-process side of the python grader: fence this process in, then run `grade`.
+
+Started by `python_grader.py` as `python -I python_runner.py` in a new session, with the
+request `{"source", "sample", "item", "memory_mb", "cpu_s"}` as JSON on stdin. It
+writes one JSON line on its original stdout: `{"score": float}` or `{"kind", "message"}`.
+The user's prints go to stderr, so they cannot garble the answer.
+
+Before the user's code runs, this process
+1. sets resource limits: address space (RLIMIT_AS, the memory limit), CPU seconds
+   (a backstop for the parent's wall-time kill), file size (1 GB, OpenAI's disk limit)
+   and no core dumps;
+2. installs a seccomp filter (Linux x86_64 / aarch64) that the kernel enforces even
+   against ctypes: no new processes (fork, vfork, clone without CLONE_THREAD; clone3
+   answers ENOSYS so threads fall back to clone), no sockets, no ptrace or
+   process_vm_writev, and signals only to itself;
+3. replaces `socket.socket`, `socket.create_connection`, `socket.getaddrinfo`,
+   `os.fork`, `os.system`, `subprocess.Popen` and friends with functions that raise
+   PermissionError with a readable message (the filter alone would give bare errnos,
+   and it is the only guard where seccomp is unavailable).
+
+RLIMIT_NPROC is not used: it counts every process of the user, and root (which the
+trainer often is in containers) ignores it; the seccomp filter is what stops fork bombs.
+This is a fence for runaway or careless graders, not a sandbox for hostile code: the
+grader still runs as the trainer's user and can read and write its files.
+
+This module imports only the standard library: `-I` keeps the project off sys.path.
+"""
+
+import ctypes
+import json
+import math
+import numbers
+import os
+import platform
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import traceback
+
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+_RET_ALLOW = 0x7FFF0000
+_RET_KILL_PROCESS = 0x80000000
+_RET_ERRNO = 0x00050000
+_EPERM, _EACCES, _ENOSYS = 1, 13, 38
+_CLONE_THREAD = 0x00010000
+_X32_SYSCALL_BIT = 0x40000000
+# BPF opcodes: load word at absolute offset, jump if equal / if any bit set / if >=, return.
+_LD_ABS, _JEQ, _JSET, _JGE, _RET = 0x20, 0x15, 0x45, 0x35, 0x06
+# seccomp_data offsets: syscall number, audit arch, low word of the first argument.
+_NR, _ARCH, _ARG0 = 0, 4, 16
+_SYSCALLS = {
+    "x86_64": {
+        "arch": 0xC000003E, "fork": 57, "vfork": 58, "clone": 56, "clone3": 435, "socket": 41,
+        "ptrace": 101, "kill": 62, "tkill": 200, "tgkill": 234, "pidfd_send_signal": 424,
+        "process_vm_writev": 311,
+    },
+    "aarch64": {
+        "arch": 0xC00000B7, "clone": 220, "clone3": 435, "socket": 198, "ptrace": 117,
+        "kill": 129, "tkill": 130, "tgkill": 131, "pidfd_send_signal": 424,
+        "process_vm_writev": 271,
+    },
+}  # fmt: skip
+_PROCESS_FUNCTIONS = (
+    "fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp",
+    "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe",
+    "spawnv", "spawnve", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnvp", "spawnvpe",
+)  # fmt: skip
+
+
+def main() -> None:
+    request = json.loads(sys.stdin.buffer.read())
+    answer_fd = os.dup(1)
+    os.dup2(2, 1)  # the user's prints land on stderr, not in the answer
+    sys.stdout = sys.stderr
+    _limit_resources(request["memory_mb"], request["cpu_s"])
+    _install_seccomp_filter()
+    _install_python_guards()
+    answer = _run(request["source"], request["sample"], request["item"])
+    os.write(answer_fd, (json.dumps(answer) + "\n").encode())
+
+
+def _run(source: str, sample: dict, item: dict) -> dict:
+    try:
+        namespace: dict = {"__name__": "grader"}
+        exec(compile(source, "<grader>", "exec"), namespace)
+        grade = namespace.get("grade")
+        if not callable(grade):
+            return _runtime_error("the source defines no grade(sample, item) function")
+        score = grade(sample, item)
+    except BaseException as exc:  # SystemExit and MemoryError too: they are the grader's doing
+        lines = traceback.format_exception_only(type(exc), exc)
+        return _runtime_error(lines[-1].strip() if lines else type(exc).__name__)
+    if isinstance(score, bool) or not isinstance(score, numbers.Real):
+        return _runtime_error(f"grade returned {type(score).__name__} {score!r:.80}, not a number")
+    if not math.isfinite(float(score)):
+        return _runtime_error(f"grade returned {score}, not a finite number")
+    return {"score": float(score)}
+
+
+def _runtime_error(message: str) -> dict:
+    return {"kind": "python_grader_runtime_error", "message": message}
+
+
+def _limit_resources(memory_mb: int, cpu_s: int) -> None:
+    _lower_limit(resource.RLIMIT_AS, memory_mb * 1024 * 1024)
+    _lower_limit(resource.RLIMIT_CPU, cpu_s)
+    _lower_limit(resource.RLIMIT_FSIZE, 1 << 30)
+    _lower_limit(resource.RLIMIT_CORE, 0)
+
+
+def _lower_limit(kind: int, value: int) -> None:
+    """Set soft and hard limit to `value`, never above a hard limit already in force
+    (raising it would fail for an unprivileged user)."""
+    _, hard = resource.getrlimit(kind)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    resource.setrlimit(kind, (value, value))
+
+
+def _install_seccomp_filter() -> None:
+    syscalls = _SYSCALLS.get(platform.machine())
+    if syscalls is None or not sys.platform.startswith("linux"):
+        print(
+            "python grader: no seccomp filter on this platform; Python-level guards only",
+            file=sys.stderr,
+        )
+        return
+    program = _filter_program(syscalls, os.getpid())
+    # struct sock_filter {u16 code; u8 jt; u8 jf; u32 k}, in the machine's byte order
+    filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *op) for op in program))
+
+    class _Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = _Program(len(program), ctypes.addressof(filters))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [
+        ctypes.c_int,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
+    if (
+        libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+        or libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0) != 0
+    ):
+        errno = ctypes.get_errno()
+        print(
+            f"python grader: seccomp filter refused ({os.strerror(errno)}); Python-level guards only",
+            file=sys.stderr,
+        )
+
+
+def _filter_program(nr: dict, pid: int) -> list[tuple[int, int, int, int]]:
+    """The BPF program as (code, jt, jf, k) tuples; jumps are written as labels first."""
+    allow, eperm, enosys, eacces, kill = "allow", "eperm", "enosys", "eacces", "kill"
+    code: list[tuple] = [
+        (_LD_ABS, None, None, _ARCH),
+        (_JEQ, None, kill, nr["arch"]),
+        (_LD_ABS, None, None, _NR),
+    ]
+    if "fork" in nr:  # x86_64: x32-ABI numbers would bypass the checks below
+        code.append((_JGE, eperm, None, _X32_SYSCALL_BIT))
+    for name in ("fork", "vfork", "ptrace", "tkill", "pidfd_send_signal", "process_vm_writev"):
+        if name in nr:
+            code.append((_JEQ, eperm, None, nr[name]))
+    code += [
+        (_JEQ, enosys, None, nr["clone3"]),
+        (_JEQ, eacces, None, nr["socket"]),
+        (_JEQ, "clone", None, nr["clone"]),
+        (_JEQ, "signal", None, nr["kill"]),
+        (_JEQ, "signal", None, nr["tgkill"]),
+        (_RET, None, None, _RET_ALLOW),
+        ("clone",),
+        (_LD_ABS, None, None, _ARG0),
+        (_JSET, allow, eperm, _CLONE_THREAD),
+        ("signal",),  # kill(pid) / tgkill(tgid): only this process (or kill(0): its own group)
+        (_LD_ABS, None, None, _ARG0),
+        (_JEQ, allow, None, pid),
+        (_JEQ, allow, eperm, 0),
+        (allow,), (_RET, None, None, _RET_ALLOW),
+        (eperm,), (_RET, None, None, _RET_ERRNO | _EPERM),
+        (enosys,), (_RET, None, None, _RET_ERRNO | _ENOSYS),
+        (eacces,), (_RET, None, None, _RET_ERRNO | _EACCES),
+        (kill,), (_RET, None, None, _RET_KILL_PROCESS),
+    ]  # fmt: skip
+    labels, program = {}, []
+    for entry in code:
+        if len(entry) == 1:
+            labels[entry[0]] = len(program)
+        else:
+            program.append(entry)
+    resolved = []
+    for index, (op, jt, jf, k) in enumerate(program):
+
+        def offset(target: str | None, index: int = index) -> int:
+            return 0 if target is None else labels[target] - index - 1
+
+        resolved.append((op, offset(jt), offset(jf), k))
+    return resolved
+
+
+def _install_python_guards() -> None:
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            raise PermissionError(f"{what} is disabled in python graders")
+
+        return refused
+
+    no_network = refuse("network access")
+    socket.socket.__init__ = no_network
+    socket.create_connection = no_network
+    socket.getaddrinfo = no_network
+    socket.gethostbyname = no_network
+    no_processes = refuse("starting processes")
+    for name in _PROCESS_FUNCTIONS:
+        if hasattr(os, name):
+            setattr(os, name, no_processes)
+    subprocess.Popen.__init__ = no_processes
+
+
+if __name__ == "__main__":
+    main()
