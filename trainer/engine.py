@@ -1,0 +1,660 @@
+"""Batched multi-turn generation that keeps each sequence's KV cache across turns.
+
+An agent rollout alternates between the model and tools: the model generates until a stop token
+(end of turn), a tool runs for 0-100+ ms, its output is appended, and the model goes on. This
+module is the token-level engine under that loop (no tokenizer, no tools, no HTTP):
+
+- every sequence owns a *slot* of a fixed-capacity padded KV cache (`[slots, kv_heads, len,
+  head_dim]` per layer) and keeps it until `release`, so a new turn only pre-fills the appended
+  tokens: 8 turns cost about twice 4 turns, not four times;
+- each `step()` decodes one token for every sequence that is generating, and pre-fills the
+  appended tokens of sequences that were just (re)submitted, in a second forward call: sequences
+  waiting on a tool simply are not in either call, and rejoin when `submit` gives their tokens
+  (continuous batching);
+- each row is written and read at its own positions: per-row `position_ids`, a 4-D additive
+  attention mask over each row's valid keys, and a `transformers.Cache` subclass that scatters
+  the new keys/values to `(slot, position)` and hands the attention the rows of this call;
+- sampling draws one uniform number per token from a CPU `torch.Generator` seeded by
+  `(seed, seq_id)` and inverts the CDF on the model's device, so a sequence's tokens do not
+  depend on which other sequences share the batch, nor on the device;
+- `logprobs` are `log_softmax(logits / temperature)` at the sampled token: the distribution at
+  the sampling temperature, *before* top-k/top-p truncation (the trainer recomputes them from
+  the same tokens with the same temperature). With temperature 0 (greedy) they are at T = 1.
+
+Why not transformers' own continuous batching (`model.init_continuous_batching()`,
+`generate_batch`, paged attention)? It runs on CPU and returns logprobs, and with prefix
+sharing a turn re-submitted as prompt + generated + tool tokens reuses the cached pages
+(full pages only). But it samples with one global RNG over the whole batch (a sequence's tokens
+change with the batch it lands in), drives the model from its own background thread, and cached
+pages may be evicted; its strengths (flash/paged kernels, CUDA graphs) matter for large models on
+GPU. `GenerationBackend` is the seam where such a backend, or vLLM, can be added.
+
+Thread use: `submit` and `release` may be called from any thread (an asyncio loop whose tools
+finish while `step()` runs in a worker thread); they only queue commands that the next `step()`
+applies. `step()` and `has_work()` belong to one driver thread.
+
+The model must use `sdpa` or `eager` attention (the 4-D mask) and be in `eval()` mode.
+After a weight update the cached keys/values are stale: release the sequences and start anew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import inspect
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+
+from trainer.errors import ConfigError
+
+# The cache grows in steps of this many positions, so its length dimension is rarely reallocated.
+_LEN_QUANTUM = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one turn is sampled."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    max_new_tokens: int = 256  # tokens generated in this turn at most, the stop token included
+    return_logits: bool = False  # also return the raw logits of each sampled step (for tests)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"sampling temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"sampling top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"sampling max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class TurnOutput:
+    """The tokens one turn generated. finish_reason: "stop" (a stop token, the last of token_ids),
+    "length" (max_new_tokens) or "context" (the sequence reached max_len; token_ids may be empty
+    when the appended tokens alone did not fit, in which case they were not appended)."""
+
+    seq_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    seq_len: int  # tokens in the sequence after this turn: prompt, appended and generated
+    logits: torch.Tensor | None = None  # [len(token_ids), vocab] float32 on CPU, if return_logits
+
+
+class GenerationBackend(ABC):
+    """A multi-turn generation engine: sequences keep their context between turns until released."""
+
+    @abstractmethod
+    def submit(self, seq_id: str, append_ids: list[int], params: SamplingParams) -> None:
+        """Start a turn. A new seq_id: append_ids is the prompt. An idle one (its last turn was
+        returned by step): append_ids (tool output, next prompt piece) are appended after the
+        tokens it generated, and generation continues."""
+
+    @abstractmethod
+    def step(self) -> list[TurnOutput]:
+        """Run one scheduling iteration; return the turns that finished in it."""
+
+    @abstractmethod
+    def release(self, seq_id: str) -> None:
+        """Forget the sequence and free its cache; a turn in flight is dropped."""
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """Whether step() would make progress now (False while every live sequence is idle or
+        waiting for a slot that only a release can free)."""
+
+
+def sequence_generator(seed: int, seq_id: str) -> torch.Generator:
+    """The CPU generator a sequence samples from: a function of (seed, seq_id) only."""
+    digest = hashlib.sha256(f"{seed}\x00{seq_id}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> tuple[list[int], list[float]]:
+    """Sample one token per row of `logits` ([rows, vocab], float32) and return the tokens and
+    their log-probabilities under softmax(logits / temperature), before top-k/top-p truncation."""
+    device, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    logprobs_all = torch.log_softmax(logits / temps[:, None], dim=-1)
+    probs = logprobs_all.exp()
+
+    # Truncate in the order of HF generate: top-k, then top-p of the renormalized remainder.
+    # (Whether to truncate is decided from the params, in Python: no device sync.)
+    top_k = [min(p.top_k or vocab, vocab) for p in params]
+    if min(top_k) < vocab:
+        kth_index = torch.tensor(top_k, device=device)[:, None] - 1
+        kth = probs.topk(max(top_k), dim=-1).values.gather(1, kth_index)
+        probs = probs.masked_fill(probs < kth, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if min(p.top_p for p in params) < 1:
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        sorted_probs = probs.sort(dim=-1, descending=True).values
+        # keep a token while the mass before it is below top_p (the first token is always kept)
+        n_keep = ((sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None]).sum(-1, keepdim=True)
+        threshold = sorted_probs.gather(1, n_keep - 1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+
+    # Inverse CDF with one uniform per row from the row's own generator: the draw depends only on
+    # the sequence's history, not on the batch. The first index whose CDF exceeds u has p > 0;
+    # clamping to the last p > 0 guards against u * total rounding up to the total.
+    uniforms = torch.tensor([float(torch.rand((), generator=g)) for g in generators])
+    cdf = probs.cumsum(-1)
+    target = uniforms.to(device)[:, None] * cdf[:, -1:]
+    sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    last_positive = (probs > 0).cumsum(-1).argmax(-1)
+    sampled = torch.minimum(sampled, last_positive)
+    greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
+    tokens = torch.where(greedy, logits.argmax(-1), sampled)
+    logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), logprobs.tolist()
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers 5 renamed the forward's `past_key_values` to `cache`; accept both spellings."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # unwrap PEFT
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def sequential_generate(
+    model: torch.nn.Module,
+    input_ids: list[int],
+    params: SamplingParams,
+    stop_token_ids: list[int],
+    generator: torch.Generator,
+) -> TurnOutput:
+    """Reference: generate one turn for one sequence, encoding `input_ids` from scratch (the
+    naive way a multi-turn loop re-encodes its whole context every turn). With the same
+    generator it samples the same tokens as the engine, up to floating-point ties."""
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    cache_kw = _cache_kwarg(model)
+    stops = set(stop_token_ids)
+    feed = torch.tensor([input_ids], device=device)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    logits_rows: list[torch.Tensor] = []
+    finish_reason = "length"
+    with torch.inference_mode():
+        while len(tokens) < params.max_new_tokens:
+            out = model(input_ids=feed, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+            logits = out.logits[:, -1].float()
+            (token,), (logprob,) = sample_tokens(logits, [params], [generator])
+            tokens.append(token)
+            logprobs.append(logprob)
+            if params.return_logits:
+                logits_rows.append(logits[0].cpu())
+            if token in stops:
+                finish_reason = "stop"
+                break
+            feed = torch.tensor([[token]], device=device)
+    return TurnOutput(
+        seq_id="",
+        token_ids=tokens,
+        logprobs=logprobs,
+        finish_reason=finish_reason,
+        seq_len=len(input_ids) + len(tokens),
+        logits=torch.stack(logits_rows) if params.return_logits else None,
+    )
+
+
+def generate_all(
+    backend: GenerationBackend, prompts: dict[str, list[int]], params: SamplingParams
+) -> dict[str, TurnOutput]:
+    """Single-turn use: generate one turn for every prompt and release each sequence when done
+    (so more prompts than slots simply queue)."""
+    for seq_id, prompt in prompts.items():
+        backend.submit(seq_id, prompt, params)
+    results: dict[str, TurnOutput] = {}
+    while len(results) < len(prompts):
+        if not backend.has_work():
+            raise RuntimeError(
+                "generate_all: prompts wait for slots that idle sequences hold; release those first"
+            )
+        for turn in backend.step():
+            results[turn.seq_id] = turn
+            backend.release(turn.seq_id)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# The slot cache: one row per sequence, written and read at each row's own positions.
+
+
+@dataclass
+class _ForwardPlan:
+    """Where one forward call writes its new keys/values and which rows its attention reads."""
+
+    slots: torch.Tensor  # [rows] slot of each batch row
+    first_slot: int | None  # set when slots are consecutive: the rows are a view, not a gather
+    write_row: torch.Tensor  # [n] batch row of each real (non-padding) token
+    write_col: torch.Tensor  # [n] its column in the input
+    write_slot: torch.Tensor  # [n] its slot
+    write_pos: torch.Tensor  # [n] its position in the sequence
+    kv_len: int  # keys read per row: the longest row's length after this call
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's keys and values, `[slots, kv_heads, length, head_dim]`, grown on demand."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: SlotKVCache):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.keys = key_states.new_zeros((0, key_states.shape[1], 0, key_states.shape[3]))
+        self.values = value_states.new_zeros((0, value_states.shape[1], 0, value_states.shape[3]))
+        self.is_initialized = True
+
+    def _grow(self, rows: int, length: int) -> None:
+        # Zeros, not empty: masked-out positions still enter q.k, and NaN garbage would poison softmax.
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((rows, old.shape[1], length, old.shape[3]))
+            new[: old.shape[0], :, : old.shape[2]] = old
+            setattr(self, name, new)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, length = self.owner.capacity
+        if self.keys.shape[0] < rows or self.keys.shape[2] < length:
+            self._grow(rows, length)
+        plan = self.owner.plan
+        # [rows, heads, cols, dim] -> the real tokens, [n, heads, dim], scattered to (slot, position)
+        new_k = key_states.transpose(1, 2)[plan.write_row, plan.write_col]
+        new_v = value_states.transpose(1, 2)[plan.write_row, plan.write_col]
+        self.keys[plan.write_slot, :, plan.write_pos] = new_k
+        self.values[plan.write_slot, :, plan.write_pos] = new_v
+        if plan.first_slot is not None:
+            rows_of = slice(plan.first_slot, plan.first_slot + plan.slots.shape[0])
+            return self.keys[rows_of, :, : plan.kv_len], self.values[rows_of, :, : plan.kv_len]
+        return (
+            self.keys[:, :, : plan.kv_len].index_select(0, plan.slots),
+            self.values[:, :, : plan.kv_len].index_select(0, plan.slots),
+        )
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        raise NotImplementedError("the engine builds the attention mask itself")
+
+    def get_seq_length(self) -> int:
+        # Lengths are per slot; the engine always passes position_ids and the mask explicitly.
+        return 0
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+
+class SlotKVCache(Cache):
+    """A `transformers.Cache` whose rows are sequence slots with their own lengths. Before each
+    forward call the engine sets `plan` (which slots, which positions) and `capacity`."""
+
+    def __init__(self, num_layers: int, max_slots: int, max_len: int):
+        self.max_slots = max_slots
+        self.max_len = max_len
+        self.capacity = (0, 0)
+        self.plan: _ForwardPlan | None = None
+        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Make room for `rows` slots of `length` positions, growing geometrically (in place of
+        allocating max_slots x max_len up front, so memory follows use)."""
+        cap_rows, cap_len = self.capacity
+        if rows > cap_rows:
+            cap_rows = min(self.max_slots, max(rows, 2 * cap_rows))
+        if length > cap_len:
+            cap_len = min(self.max_len, max(-(-length // _LEN_QUANTUM) * _LEN_QUANTUM, 2 * cap_len))
+        self.capacity = (cap_rows, cap_len)
+
+    def nbytes(self) -> int:
+        return sum(
+            layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine.
+
+
+@dataclass
+class _Sequence:
+    seq_id: str
+    epoch: int  # tells a released-and-resubmitted seq_id apart from the old one
+    generator: torch.Generator
+    params: SamplingParams
+    pending: list[int]  # tokens to feed next (not yet in the cache)
+    slot: int | None = None
+    length: int = 0  # tokens whose keys/values are in the cache
+    state: str = "queued"  # queued -> prefill -> decode -> idle -> prefill ...
+    turn_tokens: list[int] = field(default_factory=list)
+    turn_logprobs: list[float] = field(default_factory=list)
+    turn_logits: list[torch.Tensor] = field(default_factory=list)
+
+
+class TransformersBackend(GenerationBackend):
+    """The engine for a transformers causal LM (Qwen3, Llama, ... with sdpa or eager attention),
+    on whatever device the model is on.
+
+    max_slots: sequences holding a cache at once (an idle sequence waiting on a tool keeps its
+    slot); more submissions queue until a release frees a slot. max_len: tokens per sequence.
+    prefill_chunk: appended tokens pre-filled per sequence per step (longer appends take several
+    steps, so decoding sequences are not stalled by one long prompt). max_prefill_tokens: padded
+    tokens in one prefill forward call (bounds the activations and the mask).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        stop_token_ids: list[int],
+        max_slots: int = 64,
+        max_len: int = 4096,
+        seed: int = 0,
+        prefill_chunk: int = 512,
+        max_prefill_tokens: int = 4096,
+    ):
+        config = model.config
+        attn = config._attn_implementation
+        if attn not in ("sdpa", "eager"):
+            raise ConfigError(
+                f"the generation engine needs sdpa or eager attention, the model uses {attn!r}: "
+                "load it with attn_implementation='sdpa'"
+            )
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if not layer_types <= {"full_attention", "sliding_attention"}:
+            raise ConfigError(
+                f"the generation engine supports full and sliding-window attention layers, "
+                f"the model has {sorted(layer_types)}"
+            )
+        for name, value in (
+            ("max_slots", max_slots),
+            ("max_len", max_len),
+            ("prefill_chunk", prefill_chunk),
+            ("max_prefill_tokens", max_prefill_tokens),
+        ):
+            if value < 1:
+                raise ConfigError(f"generation engine {name} must be >= 1, got {value}")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.max_slots = max_slots
+        self.max_len = max_len
+        self.seed = seed
+        self.prefill_chunk = prefill_chunk
+        self.max_prefill_tokens = max_prefill_tokens
+        self._vocab_size = config.vocab_size
+        self._layer_types = layer_types
+        self._sliding_window = getattr(config, "sliding_window", None)
+        self._cache_kw = _cache_kwarg(model)
+        self.cache = SlotKVCache(config.num_hidden_layers, max_slots, max_len)
+
+        # Shared with submit/release (any thread); everything else is owned by step().
+        self._lock = threading.Lock()
+        self._inbox: list[tuple[str, str, int, list[int], SamplingParams | None]] = []
+        self._live: dict[str, int] = {}  # seq_id -> epoch, from submit to release
+        self._busy: set[str] = set()  # submitted, turn not yet returned
+        self._epochs = 0
+
+        self._seqs: dict[str, _Sequence] = {}
+        self._queue: list[_Sequence] = []  # waiting for a slot, FIFO
+        self._free_slots = list(range(max_slots))  # a heap: lowest first keeps rows consecutive
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def submit(self, seq_id: str, append_ids: list[int], params: SamplingParams) -> None:
+        bad = [t for t in append_ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids out of the vocabulary (size {self._vocab_size}): {bad[:5]}"
+            )
+        with self._lock:
+            if seq_id in self._busy:
+                raise ValueError(f"sequence {seq_id!r} is generating; submit again after its turn")
+            if seq_id not in self._live:
+                if not append_ids:
+                    raise ValueError(f"new sequence {seq_id!r} needs a non-empty prompt")
+                self._epochs += 1
+                self._live[seq_id] = self._epochs
+            self._busy.add(seq_id)
+            self._inbox.append(("submit", seq_id, self._live[seq_id], list(append_ids), params))
+
+    def release(self, seq_id: str) -> None:
+        with self._lock:
+            if seq_id not in self._live:
+                raise KeyError(f"unknown or already released sequence {seq_id!r}")
+            epoch = self._live.pop(seq_id)
+            self._busy.discard(seq_id)
+            self._inbox.append(("release", seq_id, epoch, [], None))
+
+    def has_work(self) -> bool:
+        with self._lock:
+            if self._inbox:
+                return True
+        return bool(
+            any(s.state in ("prefill", "decode") for s in self._seqs.values())
+            or (self._queue and self._free_slots)
+        )
+
+    def step(self) -> list[TurnOutput]:
+        with self._lock:
+            commands, self._inbox = self._inbox, []
+        finished: list[tuple[int, TurnOutput]] = []
+        for kind, seq_id, epoch, tokens, params in commands:
+            if kind == "release":
+                self._apply_release(seq_id, epoch)
+            elif refused := self._apply_submit(seq_id, epoch, tokens, params):
+                finished.append((epoch, refused))
+        while self._queue and self._free_slots:
+            seq = self._queue.pop(0)
+            seq.slot = heapq.heappop(self._free_slots)
+            seq.state = "prefill"
+
+        decoding = [s for s in self._seqs.values() if s.state == "decode"]
+        with torch.inference_mode():
+            if decoding:
+                finished += self._run(decoding, [s.pending for s in decoding])
+            prefill, chunks = self._pick_prefill()
+            if prefill:
+                finished += self._run(prefill, chunks)
+        return self._deliver(finished)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV cache now (it grows with the slots and lengths in use)."""
+        return self.cache.nbytes()
+
+    # -- scheduling ------------------------------------------------------------------------------
+
+    def _apply_submit(
+        self, seq_id: str, epoch: int, tokens: list[int], params: SamplingParams
+    ) -> TurnOutput | None:
+        """Start the turn; or, if the tokens do not fit in max_len, return the refused turn."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = _Sequence(seq_id, epoch, sequence_generator(self.seed, seq_id), params, [])
+        seq.params = params
+        total = seq.length + len(seq.pending) + len(tokens)
+        # +1: there must be room for at least one generated token
+        if total + 1 > self.max_len:
+            return TurnOutput(seq_id, [], [], "context", total - len(tokens))
+        seq.pending = seq.pending + tokens  # after the last sampled token, not yet in the cache
+        seq.turn_tokens, seq.turn_logprobs, seq.turn_logits = [], [], []
+        if seq_id in self._seqs:
+            seq.state = "prefill"
+        else:
+            self._seqs[seq_id] = seq
+            self._queue.append(seq)
+        return None
+
+    def _apply_release(self, seq_id: str, epoch: int) -> None:
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.epoch != epoch:
+            return
+        del self._seqs[seq_id]
+        if seq.slot is None:
+            self._queue.remove(seq)
+        else:
+            heapq.heappush(self._free_slots, seq.slot)
+
+    def _pick_prefill(self) -> tuple[list[_Sequence], list[list[int]]]:
+        """Sequences with appended tokens, in order, up to max_prefill_tokens padded tokens."""
+        rows: list[_Sequence] = []
+        chunks: list[list[int]] = []
+        width = 0
+        for seq in self._seqs.values():
+            if seq.state != "prefill":
+                continue
+            chunk = seq.pending[: self.prefill_chunk]
+            new_width = max(width, len(chunk))
+            if rows and new_width * (len(rows) + 1) > self.max_prefill_tokens:
+                break
+            rows.append(seq)
+            chunks.append(chunk)
+            width = new_width
+        return rows, chunks
+
+    # -- one forward call ------------------------------------------------------------------------
+
+    def _run(self, rows: list[_Sequence], chunks: list[list[int]]) -> list[tuple[int, TurnOutput]]:
+        """Feed each row its chunk, sample for the rows whose pending tokens are all in, and
+        return the (epoch, turn) of the turns that ended."""
+        order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
+        rows = [rows[i] for i in order]
+        chunks = [chunks[i] for i in order]
+        logits = self._forward(rows, chunks)
+        sampling = [
+            b for b, (s, c) in enumerate(zip(rows, chunks, strict=True)) if len(c) == len(s.pending)
+        ]
+        for seq, chunk in zip(rows, chunks, strict=True):
+            seq.length += len(chunk)
+            seq.pending = seq.pending[len(chunk) :]
+        if not sampling:
+            return []
+        picked = logits[sampling]
+        seqs = [rows[b] for b in sampling]
+        tokens, logprobs = sample_tokens(
+            picked, [s.params for s in seqs], [s.generator for s in seqs]
+        )
+        ended = []
+        for b, (seq, token, logprob) in enumerate(zip(seqs, tokens, logprobs, strict=True)):
+            seq.pending = [token]
+            seq.turn_tokens.append(token)
+            seq.turn_logprobs.append(logprob)
+            if seq.params.return_logits:
+                seq.turn_logits.append(picked[b].cpu())
+            seq.state = "decode"
+            if token in self.stop_token_ids:
+                reason = "stop"
+            elif len(seq.turn_tokens) >= seq.params.max_new_tokens:
+                reason = "length"
+            elif seq.length + 1 >= self.max_len:  # the sampled token makes max_len tokens
+                reason = "context"
+            else:
+                continue
+            seq.state = "idle"
+            turn = TurnOutput(
+                seq_id=seq.seq_id,
+                token_ids=seq.turn_tokens,
+                logprobs=seq.turn_logprobs,
+                finish_reason=reason,
+                seq_len=seq.length + 1,
+                logits=torch.stack(seq.turn_logits) if seq.params.return_logits else None,
+            )
+            ended.append((seq.epoch, turn))
+        return ended
+
+    def _forward(self, rows: list[_Sequence], chunks: list[list[int]]) -> torch.Tensor:
+        """One model call over `rows`, each fed its chunk left-padded to the widest; returns the
+        float32 logits at each row's last token, [rows, vocab]."""
+        if self.model.training:
+            # dropout would make sampling irreproducible, and gradient checkpointing drops the cache
+            raise RuntimeError(
+                "the generation engine needs the model in eval mode: call model.eval()"
+            )
+        width = max(len(c) for c in chunks)
+        starts = torch.tensor([s.length for s in rows])
+        lengths = torch.tensor([len(c) for c in chunks])
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, chunk in enumerate(chunks):
+            input_ids[b, width - len(chunk) :] = torch.tensor(chunk)
+        col = torch.arange(width)
+        pad = (width - lengths)[:, None]
+        real = col[None, :] >= pad
+        # Padding columns take the row's first position: they attend to real keys only and are
+        # never written to the cache, so they change nothing.
+        positions = starts[:, None] + (col[None, :] - pad).clamp(min=0)
+        write_row, write_col = real.nonzero(as_tuple=True)
+        slots = torch.tensor([s.slot for s in rows])
+        kv_len = int((starts + lengths).max())
+        first = int(slots[0])
+        consecutive = bool((slots == torch.arange(first, first + len(rows))).all())
+
+        dev = self.device
+        self.cache.reserve(int(slots.max()) + 1, kv_len)
+        self.cache.plan = _ForwardPlan(
+            slots=slots.to(dev),
+            first_slot=first if consecutive else None,
+            write_row=write_row.to(dev),
+            write_col=write_col.to(dev),
+            write_slot=slots[write_row].to(dev),
+            write_pos=positions[write_row, write_col].to(dev),
+            kv_len=kv_len,
+        )
+        positions = positions.to(dev)
+        key_pos = torch.arange(kv_len, device=dev)
+        dtype = self.model.dtype
+        allowed = key_pos[None, None, :] <= positions[:, :, None]  # [rows, cols, keys]
+        masks = {"full_attention": self._additive(allowed, dtype)}
+        if "sliding_attention" in self._layer_types:
+            window = key_pos[None, None, :] > positions[:, :, None] - self._sliding_window
+            masks["sliding_attention"] = self._additive(allowed & window, dtype)
+        # A plain 4-D mask works for every model; the per-layer-type dict only for hybrid ones.
+        mask = masks if len(masks) > 1 else masks["full_attention"]
+        out = self.model(
+            input_ids=input_ids.to(dev),
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: self.cache},
+        )
+        return out.logits[:, -1].float()
+
+    @staticmethod
+    def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+    def _deliver(self, finished: list[tuple[int, TurnOutput]]) -> list[TurnOutput]:
+        with self._lock:
+            # a turn whose sequence was released (or released and re-created) meanwhile is dropped
+            kept = [turn for epoch, turn in finished if self._live.get(turn.seq_id) == epoch]
+            self._busy.difference_update(turn.seq_id for turn in kept)
+        return kept
+
+
+__all__ = [
+    "GenerationBackend",
+    "SamplingParams",
+    "SlotKVCache",
+    "TransformersBackend",
+    "TurnOutput",
+    "generate_all",
+    "sample_tokens",
+    "sequence_generator",
+    "sequential_generate",
+]
