@@ -107,6 +107,78 @@ def _config_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_bootstrap(args: argparse.Namespace) -> int:
+    from trainer.bootstrap import resolve_base_model
+    from trainer.config import load_config
+
+    config = load_config(args.config)
+    if config.model.base_model != "demo":
+        raise AgentRFTError(f"{args.config}: model.base_model is {config.model.base_model!r}; bootstrap builds only 'demo'")
+    print(resolve_base_model(config))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from envs.finqa.local import local_tool_endpoints
+    from trainer.bootstrap import read_items, resolve_base_model
+    from trainer.config import load_config
+    from trainer.evaluate import run_evaluation, write_outputs
+    from trainer.policy import load_policy
+    from trainer.rollout import RolloutSettings
+
+    config = load_config(args.config)
+    model = args.model or resolve_base_model(config)
+    policy = load_policy(model, device=config.model.device, dtype=config.model.dtype)
+    items = read_items(Path(config.data.eval_file), args.max_items or config.baseline.max_items)
+    settings = RolloutSettings.from_config(config.rollout, config.penalties)
+    k = args.k or config.baseline.k
+    backend = policy.backend(
+        max_slots=config.rollout.max_concurrent_rollouts,
+        max_len=config.rollout.max_total_tokens,
+        seed=config.baseline.seed,
+    )
+    tool_options = {
+        "timeout_s": config.tools.timeout_s,
+        "max_retries": config.tools.max_retries,
+        "max_output_chars": config.tools.max_output_chars,
+    }
+    with _endpoints(config, local_tool_endpoints) as endpoints:
+        summary, records = run_evaluation(
+            backend, policy.tokenizer, items, k=k, endpoints=endpoints, grader=config.grader,
+            settings=settings, tool_options=tool_options,
+            max_concurrent=config.rollout.max_concurrent_rollouts,
+        )
+    paths = write_outputs(summary, records, Path(args.out))
+    _print_summary(summary)
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _endpoints(config, local_tool_endpoints):
+    from contextlib import nullcontext
+
+    if config.tools.demo_server and not config.tools.endpoints:
+        return local_tool_endpoints(
+            Path(config.data.corpus_dir), port=config.tools.demo_server_port,
+            max_output_chars=config.tools.max_output_chars,
+        )
+    return nullcontext(list(config.tools.endpoints))
+
+
+def _print_summary(summary) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="evaluation")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in summary.metrics.items():
+        table.add_row(name, f"{value:.4g}")
+    table.add_row("status", json.dumps(summary.status_counts))
+    table.add_row("grader errors", json.dumps(summary.grader_errors))
+    Console().print(table)
+
+
 def _demo(args: argparse.Namespace) -> int:
     print(
         "agentrft demo: the pipeline is not built yet (see the pipeline issue); "
@@ -170,6 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = command(config, "validate", _config_validate, "Validate a pipeline config.")
     p.add_argument("config")
+
+    model = sub.add_parser("model", help="Base models.").add_subparsers(dest="model_command", required=True)
+    p = command(model, "bootstrap", _model_bootstrap, "Build (or reuse) the demo base model.")
+    p.add_argument("--config", default="configs/demo.yaml")
+
+    p = command(sub, "eval", _eval, "Evaluate a model: k rollouts per held-out item.")
+    p.add_argument("--config", default="configs/demo.yaml")
+    p.add_argument("--model", help="Path, hub id or models:/ URI (default: the config's base model).")
+    p.add_argument("--k", type=int, help="Samples per item (default: baseline.k).")
+    p.add_argument("--max-items", type=int)
+    p.add_argument("--out", default="runs/eval")
 
     command(sub, "demo", _demo, "Run the whole pipeline on the embedded default.")
     return parser

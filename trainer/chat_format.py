@@ -62,11 +62,22 @@ CHAT_TEMPLATE = r"""
     {%- if tools -%}{{- '\n\n' -}}{%- endif -%}
   {%- endif -%}
   {%- if tools -%}
-    {{- '# Tools\nYou may call one or more functions. Their signatures, one JSON object a line:\n<tools>\n' -}}
+    {#- One compact signature a line: the demo model's context is short. -#}
+    {{- '# Tools\n<tools>\n' -}}
     {%- for tool in tools -%}
-      {{- (tool.function if tool.function is defined else tool) | tojson(separators=(',', ':')) + '\n' -}}
+      {%- set fn = tool.function if tool.function is defined else tool -%}
+      {%- set schema = fn.parameters if fn.parameters is defined else {} -%}
+      {%- set required = schema.required if schema.required is defined else [] -%}
+      {{- fn.name + '(' -}}
+      {%- if schema.properties is defined -%}
+        {%- for name, spec in schema.properties.items() -%}
+          {{- name + ('' if name in required else '?') + ':' + (spec.type if spec.type is defined else 'any') -}}
+          {%- if not loop.last -%}{{- ',' -}}{%- endif -%}
+        {%- endfor -%}
+      {%- endif -%}
+      {{- ') ' + (fn.description if fn.description is defined else '') + '\n' -}}
     {%- endfor -%}
-    {{- '</tools>\nFor each function call, return a JSON object within <tool_call></tool_call> tags:\n<tool_call>\n{"name":<function-name>,"arguments":<args-json-object>}\n</tool_call>' -}}
+    {{- '</tools>\nCall tools as <tool_call>\n{"name":<name>,"arguments":<json-object>}\n</tool_call>' -}}
   {%- endif -%}
   {{- '<|im_end|>\n' -}}
 {%- endif -%}

@@ -193,3 +193,35 @@ def plot_tool_calls(records: Sequence[RolloutRecord], path: Path, *, label: str 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def run_evaluation(
+    backend: Any,
+    tokenizer: Any,
+    items: Sequence[dict[str, Any]],
+    *,
+    k: int,
+    endpoints: Sequence[Any],
+    grader: dict[str, Any],
+    settings: Any,
+    tools: list[dict[str, Any]] | None = None,
+    tool_options: dict[str, Any] | None = None,
+    max_concurrent: int = 64,
+    prefix: str = "eval",
+) -> tuple[EvalSummary, list[RolloutRecord]]:
+    """k rollouts per item through the real tools, graded and summarised."""
+    import asyncio
+
+    from trainer.rollout import run_rollouts_async
+    from trainer.tools import ToolClient
+
+    async def go() -> list[RolloutRecord]:
+        schemas = tools if tools is not None else None
+        async with ToolClient(list(endpoints), schemas, **(tool_options or {})) as client:
+            return await run_rollouts_async(
+                backend, tokenizer, items, n_per_item=k, tool_client=client, grader=grader,
+                settings=settings, tools=tools, max_concurrent=max_concurrent,
+            )
+
+    records = asyncio.run(go())
+    return summarize(records, prefix=prefix), records

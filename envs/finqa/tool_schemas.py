@@ -14,8 +14,7 @@ TOOL_SCHEMAS: list[dict] = [
         "type": "function",
         "function": {
             "name": "search",
-            "description": "Semantic search over the financial report pages. Returns the best "
-            "matching page paths with a short snippet, one per line.",
+            "description": "Find report pages about a topic; returns page paths with titles.",
             "parameters": {
                 "type": "object",
                 "properties": {
@@ -31,8 +30,7 @@ TOOL_SCHEMAS: list[dict] = [
         "type": "function",
         "function": {
             "name": "list",
-            "description": "List the children of a directory of the corpus, e.g. 'reports' "
-            "or 'reports/ACME/2019'.",
+            "description": "List a directory, e.g. reports/ACME/2019.",
             "parameters": {
                 "type": "object",
                 "properties": {"path": {"type": "string", "maxLength": 300}},
@@ -45,7 +43,7 @@ TOOL_SCHEMAS: list[dict] = [
         "type": "function",
         "function": {
             "name": "cat",
-            "description": "Read one report page, e.g. 'reports/ACME/2019/page_3.txt'.",
+            "description": "Read a page, e.g. reports/ACME/2019/page_3.txt.",
             "parameters": {
                 "type": "object",
                 "properties": {"path": {"type": "string", "minLength": 1, "maxLength": 300}},
@@ -58,8 +56,7 @@ TOOL_SCHEMAS: list[dict] = [
         "type": "function",
         "function": {
             "name": "calculator",
-            "description": "Evaluate an arithmetic expression with + - * / ( ) and decimals, "
-            "e.g. '(120.5-100)/100'.",
+            "description": "Evaluate arithmetic, e.g. (120.5-100)/100.",
             "parameters": {
                 "type": "object",
                 "properties": {"expression": {"type": "string", "minLength": 1, "maxLength": 300}},

@@ -48,15 +48,11 @@ READ = {
 }
 TOOLS = [SEARCH, READ]
 TOOLS_BLOCK = (
-    "# Tools\nYou may call one or more functions. Their signatures, one JSON object a line:\n"
-    "<tools>\n"
-    '{"name":"search","description":"Search the reports.","parameters":{"type":"object",'
-    '"properties":{"query":{"type":"string"}},"required":["query"]}}\n'
-    '{"name":"read_page","description":"Read one page.","parameters":{"type":"object",'
-    '"properties":{"path":{"type":"string"}}}}\n'
+    "# Tools\n<tools>\n"
+    "search(query:string) Search the reports.\n"
+    "read_page(path?:string) Read one page.\n"
     "</tools>\n"
-    "For each function call, return a JSON object within <tool_call></tool_call> tags:\n"
-    '<tool_call>\n{"name":<function-name>,"arguments":<args-json-object>}\n</tool_call>'
+    'Call tools as <tool_call>\n{"name":<name>,"arguments":<json-object>}\n</tool_call>'
 )
 
 

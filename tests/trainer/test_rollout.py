@@ -1,0 +1,216 @@
+"""The agent loop with the real engine, a real tiny model and the real tool server.
+
+A model cannot be told what to write, so the fixture *teaches* it: a tiny Qwen3 is fitted
+(the same supervised warm start the demo uses) on four scripted conversations, one per
+behaviour under test: parallel calls in one turn, more calls than the budget allows, a
+malformed tool call, and a plain search-read-answer. At temperature 0 it then replays them
+through the engine against the FinQA tool server on loopback, so every assertion below is
+about the real loop, real HTTP and real tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from envs.finqa.faults import FaultConfig
+from envs.finqa.generate import TICKERS
+from envs.finqa.local import local_tool_endpoints
+from trainer.bootstrap import BootstrapSettings, encode_conversation, read_items, supervised_warm_start
+from trainer.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from trainer.engine import TransformersBackend
+from trainer.modeling import build_model, tiny_config
+from trainer.rollout import RolloutSettings, run_rollouts
+from trainer.tokenizer import build_tokenizer
+from trainer.tools import ToolClient, ToolEndpoint
+
+SYSTEM = "Answer with a number."
+GRADER = {"type": "numeric", "name": "answer", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}
+MALFORMED = f'{TOOL_CALL_OPEN}\n{{"name":"search","arguments":{{"query": oops}}\n{TOOL_CALL_CLOSE}'
+
+
+def _call(index: int, name: str, arguments: dict) -> dict:
+    return {
+        "id": f"call_{index}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, separators=(",", ":"))},
+    }
+
+
+async def _script(item: dict, turns: list, endpoints: list[ToolEndpoint]) -> list[dict]:
+    """A conversation whose tool outputs come from the real server. `turns` holds lists of
+    (name, arguments) per assistant turn, the string MALFORMED, or the final answer."""
+    messages = [{"role": "system", "content": SYSTEM}, *item["messages"]]
+    index = 0
+    async with ToolClient(endpoints, item["tools"]) as client:
+        for turn in turns:
+            if turn == MALFORMED:
+                messages.append({"role": "assistant", "content": MALFORMED})
+                # What the loop answers to a malformed block (see rollout._loop_turns).
+                from trainer.chat_format import parse_assistant_output
+
+                error = parse_assistant_output(MALFORMED, first_call_index=index).errors[0]
+                messages.append({"role": "tool", "tool_call_id": "invalid", "content": f"Error: {error}"})
+                index += 1
+            elif isinstance(turn, str):
+                messages.append({"role": "assistant", "content": turn})
+            else:
+                calls = [_call(index + i, name, args) for i, (name, args) in enumerate(turn)]
+                index += len(calls)
+                messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+                for call in calls:
+                    result = await client.call(
+                        call["function"]["name"], call["function"]["arguments"],
+                        item=item, trace_id="trace_script", call_id=call["id"],
+                    )
+                    messages.append({"role": "tool", "tool_call_id": call["id"], "content": result.output})
+    return messages
+
+
+@pytest.fixture(scope="module")
+def world(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    items = read_items(demo_data_dir / "eval.jsonl", 4)
+    corpus = tmp_path_factory.mktemp("corpus")
+    for item in items:
+        for page in item["gold_pages"]:
+            year_dir = Path(page).parent
+            shutil.copytree(demo_data_dir / "corpus" / year_dir, corpus / year_dir, dirs_exist_ok=True)
+    return items, corpus
+
+
+@pytest.fixture(scope="module")
+def taught(world):
+    """A tiny model fitted to one scripted conversation per item."""
+    items, corpus = world
+    answer = [f"Answer: {item['reference_answer']}" for item in items]
+    page = [item["gold_pages"][0] for item in items]
+    scripts = [
+        [[("search", {"query": items[0]["question"]}), ("list", {"path": str(Path(page[0]).parent)})], answer[0]],
+        [[("cat", {"path": page[1]})], [("list", {"path": "reports"})], [("cat", {"path": page[1]})],
+         [("list", {"path": str(Path(page[1]).parent)})], answer[1]],
+        [MALFORMED, [("cat", {"path": page[2]})], answer[2]],
+        [[("search", {"query": items[3]["question"]})], [("cat", {"path": page[3]})], answer[3]],
+    ]
+    with local_tool_endpoints(corpus) as endpoints:
+        conversations = [asyncio.run(_script(item, s, endpoints)) for item, s in zip(items, scripts, strict=True)]
+    texts = [json.dumps(c) for c in conversations] + [p.read_text() for p in sorted(corpus.rglob("*.txt"))]
+    tokenizer = build_tokenizer(texts, vocab_size=600, extra_tokens=TICKERS)
+    tools = items[0]["tools"]
+    examples = [encode_conversation(tokenizer, c, tools, number_weight=1.0) for c in conversations]
+    model = build_model(
+        tiny_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id),
+        seed=0,
+    )
+    total = sum(len(ids) for ids, _ in examples)
+    settings = BootstrapSettings(
+        train_tokens=total * 120, tokens_per_batch=total * 2, learning_rate=1e-2, warmup_steps=5, seed=0, max_minutes=4
+    )
+    stats = supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
+    assert stats["final_loss"] < 0.05, stats
+    return model, tokenizer, conversations
+
+
+def _run(taught, world, *, endpoints, settings=None, seed=0, temperature=0.0, n=1, items=None):
+    model, tokenizer, _ = taught
+    all_items, _ = world
+    settings = settings or RolloutSettings(system_prompt=SYSTEM, temperature=temperature, max_new_tokens_per_turn=200)
+    backend = TransformersBackend(model, stop_token_ids=[tokenizer.eos_token_id], max_slots=16, max_len=2048, seed=seed)
+
+    async def go():
+        async with ToolClient(endpoints, None, backoff_s=0.01, timeout_s=5) as client:
+            from trainer.rollout import run_rollouts_async
+
+            return await run_rollouts_async(
+                backend, tokenizer, items or all_items, n_per_item=n, tool_client=client,
+                grader=GRADER, settings=settings,
+            )
+
+    return asyncio.run(go())
+
+
+def test_taught_model_replays_scripts_through_real_tools(taught, world):
+    items, corpus = world
+    with local_tool_endpoints(corpus, faults=FaultConfig(latency_ms=300)) as endpoints:
+        records = _run(taught, world, endpoints=endpoints)
+        base = endpoints[0].server_url.rsplit("/tools/", 1)[0]
+        traces = {r.trace_id: httpx.get(f"{base}/traces/{r.trace_id}").json() for r in records}
+    parallel, budget, malformed, plain = records
+
+    # trace_id: one per rollout, the same on every call of it
+    assert len({r.trace_id for r in records}) == len(records)
+    for record in records:
+        assert record.trace_id.startswith("trace_")
+        calls = traces[record.trace_id]["calls"]
+        assert len(calls) == len(record.tool_calls)
+
+    # two calls in one turn run concurrently: their server-side intervals overlap
+    assert [c.name for c in parallel.tool_calls] == ["search", "list"]
+    a, b = traces[parallel.trace_id]["calls"]
+    assert a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"]
+    assert parallel.status == "ok" and parallel.score == 1.0
+
+    # the budget (10 by default here is not reached; see the next test) and malformed calls
+    assert malformed.malformed_tool_calls == 1
+    assert any(m["role"] == "tool" and m["content"].startswith("Error:") for m in malformed.messages)
+    assert malformed.status == "ok" and malformed.score == 1.0
+    assert plain.status == "ok" and plain.score == 1.0
+    assert budget.status == "ok" and len(budget.tool_calls) == 4
+
+
+def test_budget_stops_rollout_as_over_budget(taught, world):
+    items, corpus = world
+    settings = RolloutSettings(system_prompt=SYSTEM, temperature=0.0, max_episode_steps=3, over_budget_penalty=1.0)
+    with local_tool_endpoints(corpus) as endpoints:
+        (record,) = _run(taught, world, endpoints=endpoints, settings=settings, items=[items[1]])
+    assert record.status == "over_budget"
+    assert len(record.tool_calls) == 3
+    assert record.score == 0.0
+    assert record.reward == pytest.approx(-1.0)
+    assert record.penalties == {"over_budget": 1.0}
+
+
+def test_unreachable_tool_server_is_infra_error_not_a_score(taught, world):
+    items, _ = world
+    dead = [ToolEndpoint(name=n, server_url=f"http://127.0.0.1:9/tools/{n}") for n in ("search", "list", "cat", "calculator")]
+    records = _run(taught, world, endpoints=dead, items=[items[3]])
+    (record,) = records
+    assert record.status == "infra_error"
+    assert record.score is None and record.reward is None
+    assert not record.trainable
+    assert "attempt" in record.infra_error
+
+
+def test_same_seed_same_rollouts_and_loss_mask_covers_generated_tokens(taught, world):
+    model, tokenizer, _ = taught
+    items, corpus = world
+    with local_tool_endpoints(corpus) as endpoints:
+        first = _run(taught, world, endpoints=endpoints, temperature=1.0, seed=7, n=2)
+        again = _run(taught, world, endpoints=endpoints, temperature=1.0, seed=7, n=2)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    assert [r.final_answer for r in first] == [r.final_answer for r in again]
+    for record in first:
+        assert len(record.token_ids) == len(record.gen_mask) == len(record.logprobs)
+        generated = [t for t, m in zip(record.token_ids, record.gen_mask, strict=True) if m]
+        context = [t for t, m in zip(record.token_ids, record.gen_mask, strict=True) if not m]
+        assert len(generated) == record.tokens_generated
+        assert "<tool_response>" not in tokenizer.decode(generated)
+        if record.tool_calls:
+            assert "<tool_response>" in tokenizer.decode(context)
+        # the sampled tokens' log-probabilities are real (negative) numbers, context is 0
+        assert all(lp <= 0.0 for lp in record.logprobs)
+        assert all(lp == 0.0 for lp, m in zip(record.logprobs, record.gen_mask, strict=True) if not m)
+        # the mask is exact: generated tokens re-scored by the model give the same logprobs
+        ids = torch.tensor([record.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(record.gen_mask[1:], dtype=torch.bool)
+        expected = torch.tensor(record.logprobs[1:])[mask]
+        assert torch.allclose(logp[mask], expected, atol=1e-4)

@@ -1,0 +1,463 @@
+"""The demo's base model, built here because no pretrained chat model can be downloaded.
+
+Three steps, all seeded, so the same data and settings give the same model:
+
+1. A byte-level BPE tokenizer trained on the demo corpus and questions, with every digit
+   its own token and every company ticker one token (both make copying numbers and names
+   out of tool outputs much easier for a tiny model), and a Qwen-style chat template.
+2. Demonstrations from a *scripted policy* that solves training items against the real
+   demo tool server. It is imperfect on purpose, as the issue asks: it browses with
+   redundant `list`/`search` calls, sometimes opens a wrong page first, and sometimes
+   does the arithmetic without the calculator. The imitating model inherits those habits,
+   which is what gives RL something to improve: a non-zero baseline with headroom, and
+   tool calls and tokens that can be cut.
+3. A supervised warm start of a small Qwen3 on those conversations, with the loss on the
+   assistant's tokens only and extra weight on the numbers the assistant writes.
+
+The model is saved with `save_pretrained` (loadable with the Auto classes) in a cache
+directory keyed by the data md5 and the bootstrap settings, so the demo builds it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import random
+import re
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.chat_format import assistant_turn_end, continuation_text
+from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
+
+BOOTSTRAP_VERSION = "1"
+
+
+@dataclass
+class ScriptedPolicy:
+    """How the demonstrator browses; each probability is per item (or per page)."""
+
+    list_company: float = 0.5  # `list reports/<TICKER>` before searching
+    list_year: float = 0.4  # `list reports/<TICKER>/<YEAR>` before reading a page
+    wrong_page_first: float = 0.3  # open a plausible wrong page before the right one
+    search_again: float = 0.3  # a second, redundant search
+    calculator: float = 0.6  # use the calculator for arithmetic (else answer directly)
+
+
+@dataclass
+class BootstrapSettings:
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 2048
+    demos_per_item: int = 2
+    max_items: int | None = None
+    train_tokens: int = 4_000_000
+    tokens_per_batch: int = 8192
+    learning_rate: float = 3e-3
+    warmup_steps: int = 30
+    number_weight: float = 3.0
+    seed: int = 0
+    max_minutes: float = 10.0
+    max_output_chars: int = 2000
+
+    def key(self, data_md5: str) -> str:
+        text = json.dumps({**asdict(self), "data": data_md5, "v": BOOTSTRAP_VERSION}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+# --- 1. tokenizer ---------------------------------------------------------------------
+
+
+def tokenizer_texts(data_dir: Path, tools: list[dict[str, Any]]) -> Iterable[str]:
+    """Corpus pages, questions and tool JSON: what the demo model will read and write."""
+    for page in sorted((data_dir / "corpus").rglob("*.txt")):
+        yield page.read_text(encoding="utf-8")
+    for name in ("train.jsonl",):
+        with (data_dir / name).open(encoding="utf-8") as handle:
+            for line in handle:
+                row = json.loads(line)
+                yield row["question"]
+                yield f"Answer: {row['reference_answer']}"
+    for tool in tools:
+        yield json.dumps(tool, separators=(",", ":"))
+
+
+# --- 2. scripted demonstrations -------------------------------------------------------
+
+
+def program_expression(program: str, *, percent: bool) -> str | None:
+    """The calculator expression that computes a FinQA program, e.g.
+    'subtract(540, 480), divide(#0, 480)' -> '(540-480)/480*100'. None when the program
+    has no arithmetic (a lookup) or uses an op the calculator lacks."""
+    steps = re.findall(r"([a-z_]+)\(([^()]*)\)", program)
+    if not steps:
+        return None
+    symbols = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
+    parts: list[str] = []
+    for op, args_text in steps:
+        if op not in symbols:
+            return None
+        args = []
+        for arg in (a.strip() for a in args_text.split(",")):
+            if arg.startswith("#"):
+                args.append(f"({parts[int(arg[1:])]})")
+            elif arg.startswith("const_"):
+                args.append(arg[len("const_") :].replace("m", "-", 1))
+            else:
+                args.append(arg)
+        parts.append(f"{args[0]}{symbols[op]}{args[1]}")
+    expression = parts[-1]
+    return f"({expression})*100" if percent else expression
+
+
+def _call(name: str, arguments: dict[str, Any], index: int) -> dict[str, Any]:
+    return {
+        "id": f"call_{index}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, separators=(",", ":"))},
+    }
+
+
+async def scripted_conversation(
+    item: dict[str, Any], client: ToolClient, rng: random.Random, policy: ScriptedPolicy, system_prompt: str
+) -> list[dict[str, Any]]:
+    """One demonstration: the scripted policy solves `item` against the real tools."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}, *item["messages"]]
+    trace_id = new_trace_id()
+    n_calls = 0
+
+    async def act(name: str, arguments: dict[str, Any], content: str = "") -> str:
+        nonlocal n_calls
+        call = _call(name, arguments, n_calls)
+        n_calls += 1
+        messages.append({"role": "assistant", "content": content, "tool_calls": [call]})
+        result = await client.call(
+            name, call["function"]["arguments"], item=item, trace_id=trace_id, call_id=call["id"]
+        )
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": result.output})
+        return result.output
+
+    ticker, gold_pages = item["ticker"], list(item["gold_pages"])
+    if rng.random() < policy.list_company:
+        await act("list", {"path": f"reports/{ticker}"})
+    hits = await act("search", {"query": item["question"]})
+    if rng.random() < policy.search_again:
+        await act("search", {"query": f"{ticker} {item['year']} annual report"})
+    found = [line.split(" | ")[0].strip() for line in hits.splitlines() if " | " in line]
+    for gold in gold_pages:
+        year_dir = gold.rsplit("/", 1)[0]
+        if gold not in found or rng.random() < policy.list_year:
+            await act("list", {"path": year_dir})
+        if rng.random() < policy.wrong_page_first:
+            wrong = [p for p in found if p != gold and p not in gold_pages]
+            if not wrong:
+                page_no = int(gold.rsplit("_", 1)[1].split(".")[0])
+                wrong = [f"{year_dir}/page_{page_no % 10 + 1}.txt"]
+            await act("cat", {"path": rng.choice(wrong)})
+        await act("cat", {"path": gold})
+    percent = item["reference_answer"].endswith("%")
+    expression = program_expression(item["program"], percent=percent)
+    if expression is not None and rng.random() < policy.calculator:
+        await act("calculator", {"expression": expression})
+    messages.append({"role": "assistant", "content": f"Answer: {item['reference_answer']}"})
+    return messages
+
+
+async def collect_demonstrations(
+    items: Sequence[dict[str, Any]],
+    endpoints: list[ToolEndpoint],
+    *,
+    demos_per_item: int,
+    seed: int,
+    system_prompt: str,
+    policy: ScriptedPolicy | None = None,
+    concurrency: int = 16,
+    max_output_chars: int = 2000,
+) -> list[list[dict[str, Any]]]:
+    """Run the scripted policy `demos_per_item` times on every item, in a fixed order."""
+    policy = policy or ScriptedPolicy()
+    tools = items[0]["tools"]
+    slots = asyncio.Semaphore(concurrency)
+    async with ToolClient(endpoints, tools, max_output_chars=max_output_chars, backoff_s=0.05) as client:
+
+        async def one(index: int, item: dict[str, Any], k: int) -> list[dict[str, Any]]:
+            async with slots:
+                rng = random.Random(f"{seed}:{item['id']}:{k}")
+                return await scripted_conversation(item, client, rng, policy, system_prompt)
+
+        jobs = [one(i, item, k) for i, item in enumerate(items) for k in range(demos_per_item)]
+        return list(await asyncio.gather(*jobs))
+
+
+# --- 3. supervised warm start ---------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?%?")
+
+
+def encode_conversation(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, number_weight: float
+) -> tuple[list[int], list[float]]:
+    """Token ids and per-token loss weights, built piece by piece exactly as the rollout
+    engine builds them (prompt, generated turn, tool outputs, ...), so the warm start sees
+    the token boundaries the policy will see. Assistant tokens weigh 1, the digits they
+    write weigh `number_weight`, everything else 0."""
+    end = assistant_turn_end(tokenizer)
+    ids: list[int] = []
+    weights: list[float] = []
+
+    def add(text: str, trained: bool) -> None:
+        if not text:
+            return
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids.extend(encoded["input_ids"])
+        if not trained:
+            weights.extend([0.0] * len(encoded["input_ids"]))
+            return
+        numbers = [m.span() for m in _NUMBER.finditer(text)]
+        for start, stop in encoded["offset_mapping"]:
+            in_number = any(a <= start < b for a, b in numbers)
+            weights.append(number_weight if in_number else 1.0)
+
+    # Where each assistant turn's text is: rendering a conversation that ends with the
+    # turn, minus the rendering that ends with its generation prompt.
+    done = 0
+    pending_tail = ""
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt_piece = continuation_text(tokenizer, messages[:index], tools, n_done=done)
+        add(pending_tail + prompt_piece, False)
+        full_turn = tokenizer.apply_chat_template(messages[: index + 1], tools=tools, tokenize=False)
+        prompt_text = tokenizer.apply_chat_template(
+            messages[:index], tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        body = full_turn[len(prompt_text) :]
+        stop = tokenizer.eos_token
+        generated = body[: body.index(stop) + len(stop)] if stop in body else body
+        add(generated, True)
+        pending_tail = end[len(stop) :] if end.startswith(stop) else ""
+        done = index + 1
+    return ids, weights
+
+
+def _pack(examples: list[tuple[list[int], list[float]]], rng: random.Random, tokens_per_batch: int):
+    """Batches of whole conversations, padded to the longest, about tokens_per_batch each."""
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    batch: list[int] = []
+    longest = 0
+    for index in order:
+        length = len(examples[index][0])
+        if batch and max(longest, length) * (len(batch) + 1) > tokens_per_batch:
+            yield batch
+            batch, longest = [], 0
+        batch.append(index)
+        longest = max(longest, length)
+    if batch:
+        yield batch
+
+
+def supervised_warm_start(
+    model: torch.nn.Module,
+    examples: list[tuple[list[int], list[float]]],
+    settings: BootstrapSettings,
+    *,
+    pad_id: int,
+    log: Any = print,
+) -> dict[str, float]:
+    """Weighted next-token cross-entropy on the assistant tokens; AdamW, warmup, cosine.
+
+    Stops after `train_tokens` tokens (reproducible) or `max_minutes` (a guard on slow
+    machines, reported when it fires)."""
+    torch.manual_seed(settings.seed)
+    rng = random.Random(settings.seed)
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.01, betas=(0.9, 0.95))
+    total_tokens = sum(len(ids) for ids, _ in examples)
+    est_steps = max(1, math.ceil(settings.train_tokens / settings.tokens_per_batch))
+
+    def lr_at(step: int) -> float:
+        if step < settings.warmup_steps:
+            return (step + 1) / settings.warmup_steps
+        progress = min(1.0, (step - settings.warmup_steps) / max(1, est_steps - settings.warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    model.train()
+    started = time.perf_counter()
+    seen, step, epoch, loss_value, stopped_by = 0, 0, 0, float("nan"), "tokens"
+    while seen < settings.train_tokens:
+        for batch in _pack(examples, rng, settings.tokens_per_batch):
+            longest = max(len(examples[i][0]) for i in batch)
+            input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+            weights = torch.zeros((len(batch), longest))
+            attention = torch.zeros((len(batch), longest), dtype=torch.long)
+            for row, index in enumerate(batch):
+                ids, w = examples[index]
+                input_ids[row, : len(ids)] = torch.tensor(ids)
+                weights[row, : len(w)] = torch.tensor(w)
+                attention[row, : len(ids)] = 1
+            input_ids, weights, attention = input_ids.to(device), weights.to(device), attention.to(device)
+            logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
+            targets, target_w = input_ids[:, 1:], weights[:, 1:]
+            token_loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
+            ).view_as(targets)
+            loss = (token_loss * target_w).sum() / target_w.sum().clamp(min=1.0)
+            for group in optimizer.param_groups:
+                group["lr"] = settings.learning_rate * lr_at(step)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            seen += int(attention.sum())
+            loss_value = loss.item()
+            if step % 50 == 0:
+                elapsed = time.perf_counter() - started
+                log(f"warm start step {step}: loss {loss_value:.3f}, {seen / 1e6:.2f}M tokens, {elapsed:.0f}s")
+            if seen >= settings.train_tokens:
+                break
+            if time.perf_counter() - started > settings.max_minutes * 60:
+                stopped_by = "time"
+                break
+        epoch += 1
+        if stopped_by == "time":
+            break
+    model.eval()
+    return {
+        "steps": step,
+        "tokens": seen,
+        "epochs": seen / max(total_tokens, 1),
+        "final_loss": loss_value,
+        "seconds": time.perf_counter() - started,
+        "stopped_by": stopped_by,
+    }
+
+
+# --- the whole build ------------------------------------------------------------------
+
+
+def read_items(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    items = []
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                items.append(json.loads(line))
+            if limit is not None and len(items) >= limit:
+                break
+    return items
+
+
+def bootstrap_demo_model(
+    data_dir: Path,
+    *,
+    data_md5: str,
+    cache_root: Path,
+    settings: BootstrapSettings,
+    system_prompt: str,
+    log: Any = print,
+) -> Path:
+    """Build (or reuse) the demo base model; returns its directory."""
+    from envs.finqa.generate import TICKERS
+    from envs.finqa.server import create_app, serve_in_thread
+    from envs.finqa.tool_schemas import TOOL_NAMES
+    from trainer.modeling import build_model, count_parameters, tiny_config
+    from trainer.tokenizer import build_tokenizer
+
+    out = cache_root / f"demo-{settings.key(data_md5)}"
+    if (out / "bootstrap.json").is_file():
+        log(f"demo model: cached at {out}")
+        return out
+    started = time.perf_counter()
+    items = read_items(data_dir / "train.jsonl", settings.max_items)
+    tools = items[0]["tools"]
+    tokenizer = build_tokenizer(
+        tokenizer_texts(data_dir, tools), vocab_size=settings.vocab_size, extra_tokens=TICKERS
+    )
+    app = create_app(data_dir / "corpus", max_output_chars=settings.max_output_chars)
+    with serve_in_thread(app) as base_url:
+        endpoints = [ToolEndpoint(name=name, server_url=f"{base_url}/tools/{name}") for name in TOOL_NAMES]
+        demos = asyncio.run(
+            collect_demonstrations(
+                items,
+                endpoints,
+                demos_per_item=settings.demos_per_item,
+                seed=settings.seed,
+                system_prompt=system_prompt,
+                max_output_chars=settings.max_output_chars,
+            )
+        )
+    demo_seconds = time.perf_counter() - started
+    examples = [
+        encode_conversation(tokenizer, messages, tools, number_weight=settings.number_weight)
+        for messages in demos
+    ]
+    tool_calls = [sum(len(m.get("tool_calls", [])) for m in conv) for conv in demos]
+    log(
+        f"demo model: {len(demos)} demonstrations in {demo_seconds:.0f}s, "
+        f"{sum(tool_calls) / len(tool_calls):.2f} tool calls each, "
+        f"{sum(len(ids) for ids, _ in examples) / len(examples):.0f} tokens each"
+    )
+    config = tiny_config(
+        len(tokenizer),
+        hidden_size=settings.hidden_size,
+        num_layers=settings.num_layers,
+        num_heads=settings.num_heads,
+        num_kv_heads=settings.num_kv_heads,
+        intermediate_size=settings.intermediate_size,
+        max_position_embeddings=settings.max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = build_model(config, settings.seed)
+    stats = supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=log)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    record = {
+        "settings": asdict(settings),
+        "data_md5": data_md5,
+        "parameters": count_parameters(model),
+        "demonstrations": len(demos),
+        "demo_tool_calls_mean": sum(tool_calls) / len(tool_calls),
+        "demo_seconds": demo_seconds,
+        "warm_start": stats,
+        "total_seconds": time.perf_counter() - started,
+    }
+    (tmp / "bootstrap.json").write_text(json.dumps(record, indent=2))
+    if out.exists():  # a concurrent build finished first; keep one copy
+        shutil.rmtree(out)
+    tmp.replace(out)
+    log(f"demo model: built in {record['total_seconds']:.0f}s at {out}")
+    return out
+
+
+def resolve_base_model(config: Any, *, log: Any = print) -> str:
+    """The base model's path or hub id; 'demo' builds (or reuses) the demo model."""
+    from envs.finqa.dvc_pin import pinned_md5
+
+    if config.model.base_model != "demo":
+        return config.model.base_model
+    settings = BootstrapSettings(seed=config.model.bootstrap_seed, max_minutes=config.model.bootstrap_minutes)
+    path = bootstrap_demo_model(
+        Path(config.data.data_dir),
+        data_md5=pinned_md5(Path(config.data.dvc_file)),
+        cache_root=Path(config.model.cache_dir),
+        settings=settings,
+        system_prompt=config.rollout.system_prompt,
+        log=log,
+    )
+    return str(path)

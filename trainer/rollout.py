@@ -1,0 +1,366 @@
+"""The agent loop: many rollouts at once, tools called while other rollouts decode.
+
+A rollout renders the conversation with the tokenizer's chat template and the tool
+schemas, generates one assistant turn, parses Hermes-style `<tool_call>` blocks, runs the
+calls of that turn concurrently through the tool client, appends the `tool` messages and
+continues, until a final answer (a turn without tool calls), the tool-call budget
+(`max_episode_steps`), the turn limit or the context limit.
+
+All rollouts share one generation backend. Each rollout is an asyncio task; the driver
+loop hands the backend's `step()` (one prefill/decode iteration over every live sequence)
+to a worker thread, so HTTP tool calls of waiting rollouts proceed while the others keep
+decoding: a rollout that waits on a tool leaves the batch and rejoins with only the tool
+output's tokens to pre-fill, because the backend keeps its KV cache across turns.
+
+Every rollout yields a `RolloutRecord` (DESIGN.md) with its `trace_id` (the same for all
+tool calls of the rollout), its status, score, reward and penalties, and, for training,
+the token ids, the mask of model-generated tokens and their sampling log-probabilities.
+Infrastructure failures mark the rollout `infra_error` and leave `score` as None: they
+are never a score of 0. A grader that cannot run leaves `score` None too, with its error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trainer.chat_format import assistant_turn_end, continuation_text, parse_assistant_output
+from trainer.engine import GenerationBackend, SamplingParams, TurnOutput
+from trainer.errors import InfraError
+from trainer.graders import grade_async
+from trainer.tools import ToolClient, new_trace_id
+
+STATUSES = ("ok", "over_budget", "max_turns", "infra_error")
+
+
+@dataclass
+class ToolCallRecord:
+    name: str
+    arguments: str
+    output: str
+    latency_s: float
+    error: str | None
+    call_id: str
+
+
+@dataclass
+class RolloutRecord:
+    trace_id: str
+    item_id: str
+    sample_index: int
+    messages: list[dict[str, Any]]
+    tool_calls: list[ToolCallRecord]
+    final_answer: str
+    status: str
+    score: float | None = None
+    reward: float | None = None
+    penalties: dict[str, float] = field(default_factory=dict)
+    grader_errors: dict[str, str] = field(default_factory=dict)
+    sub_rewards: dict[str, float] = field(default_factory=dict)
+    tokens_generated: int = 0
+    turns: int = 0
+    latency_s: float = 0.0
+    malformed_tool_calls: int = 0
+    infra_error: str | None = None
+    category: str | None = None
+    # For training: every token of the conversation, 1 where the model sampled it.
+    token_ids: list[int] = field(default_factory=list, repr=False)
+    gen_mask: list[int] = field(default_factory=list, repr=False)
+    logprobs: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def trainable(self) -> bool:
+        """Usable in the loss: no infrastructure failure and a grader score."""
+        return self.status != "infra_error" and self.reward is not None
+
+    def to_json(self, *, with_tokens: bool = False) -> dict[str, Any]:
+        record = asdict(self)
+        if not with_tokens:
+            for key in ("token_ids", "gen_mask", "logprobs"):
+                record.pop(key)
+        return record
+
+
+@dataclass
+class RolloutSettings:
+    """What the agent loop needs from the config's `rollout` and `penalties` sections."""
+
+    system_prompt: str | None = None
+    max_episode_steps: int = 10
+    max_turns: int = 12
+    max_new_tokens_per_turn: int = 96
+    max_total_tokens: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    over_budget_penalty: float = 1.0
+    per_tool_call_penalty: float = 0.0
+    per_token_penalty: float = 0.0
+    penalties_correct_only: bool = False
+
+    @classmethod
+    def from_config(cls, rollout: Any, penalties: Any) -> RolloutSettings:
+        return cls(
+            system_prompt=rollout.system_prompt,
+            max_episode_steps=rollout.max_episode_steps,
+            max_turns=rollout.max_turns,
+            max_new_tokens_per_turn=rollout.max_new_tokens_per_turn,
+            max_total_tokens=rollout.max_total_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            over_budget_penalty=penalties.over_budget,
+            per_tool_call_penalty=penalties.per_tool_call,
+            per_token_penalty=penalties.per_token,
+            penalties_correct_only=penalties.correct_only,
+        )
+
+
+def compute_reward(record: RolloutRecord, settings: RolloutSettings) -> None:
+    """reward = score - penalties (over the budget, per tool call, per token)."""
+    if record.score is None:
+        return
+    penalties = {}
+    if record.status == "over_budget" and settings.over_budget_penalty:
+        penalties["over_budget"] = settings.over_budget_penalty
+    shaped = record.score > 0 or not settings.penalties_correct_only
+    if shaped and settings.per_tool_call_penalty:
+        penalties["tool_calls"] = settings.per_tool_call_penalty * len(record.tool_calls)
+    if shaped and settings.per_token_penalty:
+        penalties["tokens"] = settings.per_token_penalty * record.tokens_generated
+    record.penalties = penalties
+    record.reward = record.score - sum(penalties.values())
+
+
+class _Driver:
+    """Owns the backend: applies submissions between steps and wakes waiting rollouts."""
+
+    def __init__(self, backend: GenerationBackend):
+        self.backend = backend
+        self.waiting: dict[str, asyncio.Future[TurnOutput]] = {}
+        self.queue: list[tuple[str, list[int], SamplingParams]] = []
+        self.wake = asyncio.Event()
+        self.closed = False
+
+    def turn(self, seq_id: str, append_ids: list[int], params: SamplingParams) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[seq_id] = future
+        self.queue.append((seq_id, append_ids, params))
+        self.wake.set()
+        return future
+
+    async def run(self) -> None:
+        while not self.closed:
+            for seq_id, append_ids, params in self.queue:
+                self.backend.submit(seq_id, append_ids, params)
+            self.queue.clear()
+            if not self.backend.has_work():
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            outputs = await asyncio.to_thread(self.backend.step)
+            for output in outputs:
+                future = self.waiting.pop(output.seq_id, None)
+                if future is not None and not future.done():
+                    future.set_result(output)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+async def _one_rollout(
+    driver: _Driver,
+    tokenizer: Any,
+    item: dict[str, Any],
+    sample_index: int,
+    *,
+    tools: list[dict[str, Any]],
+    tool_client: ToolClient,
+    grader: dict[str, Any],
+    settings: RolloutSettings,
+    slots: asyncio.Semaphore,
+) -> RolloutRecord:
+    item_id = str(item["id"])
+    seq_id = f"{item_id}#{sample_index}"
+    messages: list[dict[str, Any]] = []
+    if settings.system_prompt:
+        messages.append({"role": "system", "content": settings.system_prompt})
+    messages.extend(m for m in item["messages"] if m.get("role") != "system" or not settings.system_prompt)
+    record = RolloutRecord(
+        trace_id=new_trace_id(),
+        item_id=item_id,
+        sample_index=sample_index,
+        messages=messages,
+        tool_calls=[],
+        final_answer="",
+        status="max_turns",
+        category=item.get("category"),
+    )
+    params = SamplingParams(
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        max_new_tokens=settings.max_new_tokens_per_turn,
+    )
+    async with slots:
+        started = time.perf_counter()
+        append_ids = _encode(
+            tokenizer, continuation_text(tokenizer, messages, tools, n_done=0)
+        )
+        try:
+            await _loop_turns(driver, tokenizer, record, item, append_ids, params, tools, tool_client, settings, seq_id)
+        finally:
+            driver.backend.release(seq_id)
+        record.latency_s = time.perf_counter() - started
+    if record.status != "infra_error":
+        await _grade(record, item, grader)
+        compute_reward(record, settings)
+    return record
+
+
+async def _loop_turns(
+    driver: _Driver,
+    tokenizer: Any,
+    record: RolloutRecord,
+    item: dict[str, Any],
+    append_ids: list[int],
+    params: SamplingParams,
+    tools: list[dict[str, Any]],
+    tool_client: ToolClient,
+    settings: RolloutSettings,
+    seq_id: str,
+) -> None:
+    messages = record.messages
+    while True:
+        if len(record.token_ids) + len(append_ids) + params.max_new_tokens > settings.max_total_tokens:
+            record.status = "max_turns"
+            return
+        record.token_ids.extend(append_ids)
+        record.gen_mask.extend([0] * len(append_ids))
+        record.logprobs.extend([0.0] * len(append_ids))
+        output: TurnOutput = await driver.turn(seq_id, append_ids, params)
+        record.token_ids.extend(output.token_ids)
+        record.gen_mask.extend([1] * len(output.token_ids))
+        record.logprobs.extend(output.logprobs)
+        record.tokens_generated += len(output.token_ids)
+        record.turns += 1
+        text = tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        parsed = parse_assistant_output(text, first_call_index=len(record.tool_calls) + record.malformed_tool_calls)
+        assistant: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if not parsed.tool_calls and not parsed.errors:
+            messages.append(assistant)
+            record.final_answer = parsed.content
+            record.status = "ok"
+            return
+        if len(record.tool_calls) + len(parsed.tool_calls) > settings.max_episode_steps:
+            messages.append(assistant)
+            record.status = "over_budget"
+            return
+        if record.turns >= settings.max_turns:
+            messages.append(assistant)
+            record.status = "max_turns"
+            return
+        if parsed.tool_calls:
+            assistant["tool_calls"] = [
+                {"id": call.call_id, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}
+                for call in parsed.tool_calls
+            ]
+        messages.append(assistant)
+        n_done = len(messages)
+        try:
+            results = await tool_client.call_many(
+                [(call.name, call.arguments, call.call_id) for call in parsed.tool_calls],
+                item=item,
+                trace_id=record.trace_id,
+            )
+        except InfraError as exc:
+            record.status = "infra_error"
+            record.infra_error = str(exc)
+            return
+        for call, result in zip(parsed.tool_calls, results, strict=True):
+            record.tool_calls.append(
+                ToolCallRecord(call.name, call.arguments, result.output, result.latency_s, result.error, call.call_id)
+            )
+            messages.append({"role": "tool", "tool_call_id": call.call_id, "content": result.output})
+        for error in parsed.errors:
+            # A malformed block is answered like a 4xx: the model reads what went wrong.
+            record.malformed_tool_calls += 1
+            messages.append({"role": "tool", "tool_call_id": "invalid", "content": f"Error: {error}"})
+        # The model sampled the end-of-turn token; the template's turn end may add more
+        # ("\n" after ChatML's <|im_end|>) before the tool responses.
+        end = assistant_turn_end(tokenizer)
+        stop = tokenizer.eos_token or ""
+        tail = end[len(stop):] if output.finish_reason == "stop" and end.startswith(stop) else end
+        append_ids = _encode(tokenizer, tail + continuation_text(tokenizer, messages, tools, n_done=n_done))
+
+
+def _sample_for_grader(record: RolloutRecord) -> dict[str, Any]:
+    try:
+        output_json = json.loads(record.final_answer)
+        if not isinstance(output_json, dict):
+            output_json = None
+    except (json.JSONDecodeError, ValueError):
+        output_json = None
+    return {
+        "output_text": record.final_answer,
+        "output_json": output_json,
+        "output_tools": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in record.tool_calls
+        ],
+    }
+
+
+async def _grade(record: RolloutRecord, item: dict[str, Any], grader: dict[str, Any]) -> None:
+    result = await grade_async(grader, _sample_for_grader(record), item, trace_id=record.trace_id)
+    record.score = result.reward
+    record.grader_errors = dict(result.errors)
+    record.sub_rewards = dict(result.sub_rewards)
+
+
+async def run_rollouts_async(
+    backend: GenerationBackend,
+    tokenizer: Any,
+    items: Sequence[dict[str, Any]],
+    *,
+    n_per_item: int,
+    tool_client: ToolClient,
+    grader: dict[str, Any],
+    settings: RolloutSettings,
+    tools: list[dict[str, Any]] | None = None,
+    max_concurrent: int = 64,
+) -> list[RolloutRecord]:
+    """Run `n_per_item` rollouts of every item; records come back grouped by item, in
+    order (item 0 samples 0..n-1, item 1, ...)."""
+    driver = _Driver(backend)
+    driver_task = asyncio.create_task(driver.run())
+    slots = asyncio.Semaphore(max_concurrent)
+    try:
+        jobs = [
+            _one_rollout(
+                driver, tokenizer, item, index,
+                tools=tools if tools is not None else item.get("tools", []),
+                tool_client=tool_client, grader=grader, settings=settings, slots=slots,
+            )
+            for item in items
+            for index in range(n_per_item)
+        ]
+        gathered = asyncio.gather(*jobs)
+        done, _ = await asyncio.wait({gathered, driver_task}, return_when=asyncio.FIRST_COMPLETED)
+        if driver_task in done:
+            gathered.cancel()
+            driver_task.result()  # re-raise the backend's failure
+        return gathered.result()
+    finally:
+        driver.closed = True
+        driver.wake.set()
+        if not driver_task.done():
+            await driver_task
+
+
+def run_rollouts(*args: Any, **kwargs: Any) -> list[RolloutRecord]:
+    """Synchronous front of `run_rollouts_async` (builds the tool client's loop)."""
+    return asyncio.run(run_rollouts_async(*args, **kwargs))
