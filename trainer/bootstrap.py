@@ -253,20 +253,26 @@ def encode_conversation(
 
 
 def _pack(examples: list[tuple[list[int], list[float]]], rng: random.Random, tokens_per_batch: int):
-    """Batches of whole conversations, padded to the longest, about tokens_per_batch each."""
+    """Batches of whole conversations of similar length (little padding), about
+    tokens_per_batch padded tokens each, in a seeded random order."""
     order = list(range(len(examples)))
     rng.shuffle(order)
-    batch: list[int] = []
-    longest = 0
-    for index in order:
-        length = len(examples[index][0])
-        if batch and max(longest, length) * (len(batch) + 1) > tokens_per_batch:
-            yield batch
-            batch, longest = [], 0
-        batch.append(index)
-        longest = max(longest, length)
-    if batch:
-        yield batch
+    batches: list[list[int]] = []
+    for start in range(0, len(order), 256):  # sort within windows: similar lengths, still shuffled
+        window = sorted(order[start : start + 256], key=lambda i: len(examples[i][0]))
+        batch: list[int] = []
+        longest = 0
+        for index in window:
+            length = len(examples[index][0])
+            if batch and max(longest, length) * (len(batch) + 1) > tokens_per_batch:
+                batches.append(batch)
+                batch, longest = [], 0
+            batch.append(index)
+            longest = max(longest, length)
+        if batch:
+            batches.append(batch)
+    rng.shuffle(batches)
+    yield from batches
 
 
 def supervised_warm_start(
