@@ -179,6 +179,13 @@ def _print_summary(summary) -> None:
     Console().print(table)
 
 
+def _serve_model(args: argparse.Namespace) -> int:
+    from trainer.model_server import serve_model
+
+    serve_model(args.model, host=args.host, port=args.port, device=args.device, max_len=args.max_len)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     print(
         "agentrft demo: the pipeline is not built yet (see the pipeline issue); "
@@ -253,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, help="Samples per item (default: baseline.k).")
     p.add_argument("--max-items", type=int)
     p.add_argument("--out", default="runs/eval")
+
+    p = command(sub, "serve-model", _serve_model, "Serve a model with an OpenAI-compatible chat API.")
+    p.add_argument("--model", required=True, help="Local path, hub id or models:/name@alias.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-len", type=int, default=4096, help="Context length served.")
 
     command(sub, "demo", _demo, "Run the whole pipeline on the embedded default.")
     return parser

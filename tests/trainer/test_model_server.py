@@ -1,0 +1,84 @@
+"""The OpenAI-compatible model server, spoken to by the official `openai` client and by a
+`score_model` grader. The served model is a tiny Qwen3 taught two conversations (a tool
+call for a question, a score for a judge prompt), so what it answers is real generation."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from envs.finqa.server import serve_in_thread
+from envs.finqa.tool_schemas import TOOL_SCHEMAS
+from trainer.bootstrap import BootstrapSettings, encode_conversation, supervised_warm_start
+from trainer.graders import grade
+from trainer.model_server import create_model_app
+from trainer.modeling import build_model, tiny_config
+from trainer.policy import Policy
+from trainer.tokenizer import build_tokenizer
+
+QUESTION = "What was ACME's net revenue in 2019?"
+JUDGE_PROMPT = "Grade the answer 12.5 against the reference 12.5. Reply with a score."
+CALL = {"id": "call_0", "type": "function", "function": {"name": "search", "arguments": '{"query":"ACME 2019 net revenue"}'}}
+
+
+@pytest.fixture(scope="module")
+def served():
+    conversations = [
+        ([{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "", "tool_calls": [CALL]}], TOOL_SCHEMAS),
+        ([{"role": "user", "content": JUDGE_PROMPT}, {"role": "assistant", "content": "1"}], None),
+    ]
+    texts = [json.dumps(c) for c, _ in conversations] * 20
+    tokenizer = build_tokenizer(texts, vocab_size=400, extra_tokens=["ACME"])
+    examples = [encode_conversation(tokenizer, c, tools, number_weight=1.0) for c, tools in conversations]
+    model = build_model(
+        tiny_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id),
+        seed=0,
+    )
+    total = sum(len(ids) for ids, _ in examples)
+    settings = BootstrapSettings(train_tokens=total * 150, tokens_per_batch=total * 2, learning_rate=1e-2,
+                                 warmup_steps=5, max_minutes=3)
+    stats = supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
+    assert stats["final_loss"] < 0.05, stats
+    app = create_model_app(Policy(model=model, tokenizer=tokenizer, path="tiny"), model_name="tiny-agent", max_len=1024)
+    with serve_in_thread(app) as base_url:
+        yield base_url
+
+
+def test_openai_client_gets_a_tool_call(served: str) -> None:
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == ["tiny-agent"]
+    response = client.chat.completions.create(
+        model="tiny-agent", messages=[{"role": "user", "content": QUESTION}], tools=TOOL_SCHEMAS, temperature=0,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "search"
+    assert json.loads(call.function.arguments) == {"query": "ACME 2019 net revenue"}
+    assert response.usage.completion_tokens > 0
+
+
+def test_bad_requests_are_openai_errors(served: str) -> None:
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-agent", messages=[])
+
+
+def test_score_model_grader_uses_the_served_judge(served: str) -> None:
+    grader = {
+        "type": "score_model",
+        "name": "judge",
+        "model": "tiny-agent",
+        "base_url": f"{served}/v1",
+        "input": [{"role": "user", "content": "Grade the answer {{sample.output_text}} against the reference {{item.reference_answer}}. Reply with a score."}],
+        "range": [0, 1],
+        "sampling_params": {"temperature": 0},
+    }
+    result = grade(grader, {"output_text": "12.5"}, {"reference_answer": "12.5"})
+    assert result.errors == {}
+    assert result.reward == 1.0

@@ -1,0 +1,213 @@
+"""An OpenAI-compatible chat server for a trained agent (or a judge model).
+
+`POST /v1/chat/completions` takes OpenAI's request shape (`messages`, `tools`,
+`temperature`, `top_p`, `max_tokens` / `max_completion_tokens`, `stop` is not supported)
+and answers with OpenAI's response shape, tool calls included (`message.tool_calls`,
+`finish_reason: "tool_calls"`), so the official `openai` client, agent frameworks and
+our `score_model` graders can talk to it. `GET /v1/models` lists the one model served.
+
+All requests share one generation engine: a driver thread runs `step()` while request
+handlers submit sequences and await their turns, so concurrent requests are batched.
+The model is a local path, a hub id, or an MLflow registry URI (`models:/name@alias`,
+`models:/name/3`), which is downloaded once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trainer.chat_format import parse_assistant_output, tool_calls_to_openai
+from trainer.engine import SamplingParams, TurnOutput
+from trainer.errors import ConfigError
+from trainer.policy import Policy, load_policy
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+
+
+def resolve_model_uri(uri: str, *, cache_dir: Path | None = None) -> str:
+    """A local directory for `models:/...` URIs (downloaded from the MLflow registry);
+    other values are returned as they are (a path or a hub id)."""
+    if not uri.startswith("models:/"):
+        return uri
+    import mlflow
+
+    target = Path(cache_dir or Path.home() / ".cache/agentrft/models") / uri.replace(":/", "_").replace("/", "_").replace("@", "_")
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(target)))
+    except Exception as exc:  # MLflow raises its own exception types for unknown models
+        raise ConfigError(f"model {uri!r} could not be downloaded from the MLflow registry: {exc}") from exc
+    configs = sorted(local.rglob("config.json"), key=lambda p: len(p.parts))
+    if not configs:
+        raise ConfigError(f"model {uri!r} holds no transformers model (no config.json under {local})")
+    return str(configs[0].parent)
+
+
+class EngineService:
+    """One engine shared by all requests; a daemon thread drives it."""
+
+    def __init__(self, policy: Policy, *, max_slots: int = 32, max_len: int = 4096, seed: int = 0):
+        self.policy = policy
+        self.backend = policy.backend(max_slots=max_slots, max_len=max_len, seed=seed)
+        self.max_len = max_len
+        self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._drive, daemon=True, name="engine-driver")
+        self._thread.start()
+
+    def _drive(self) -> None:
+        while not self._stop:
+            if not self.backend.has_work():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.backend.step()
+            except Exception as exc:  # fail every waiting request rather than hang them
+                with self._lock:
+                    waiting, self._waiting = self._waiting, {}
+                for loop, future in waiting.values():
+                    loop.call_soon_threadsafe(_fail, future, exc)
+                continue
+            for output in outputs:
+                with self._lock:
+                    entry = self._waiting.pop(output.seq_id, None)
+                self.backend.release(output.seq_id)
+                if entry:
+                    loop, future = entry
+                    loop.call_soon_threadsafe(_resolve, future, output)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> TurnOutput:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        seq_id = uuid.uuid4().hex
+        with self._lock:
+            self._waiting[seq_id] = (loop, future)
+        self.backend.submit(seq_id, prompt_ids, params)
+        self._wake.set()
+        return await future
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+
+def _resolve(future: asyncio.Future, output: TurnOutput) -> None:
+    if not future.done():
+        future.set_result(output)
+
+
+def _fail(future: asyncio.Future, exc: Exception) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
+def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, max_len: int = 4096) -> FastAPI:
+    service = EngineService(policy, max_slots=max_slots, max_len=max_len)
+    tokenizer = policy.tokenizer
+    app = FastAPI(title="agentrft model server")
+    app.state.service = service
+    app.router.on_shutdown.append(service.close)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "agentrft"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        try:
+            body = ChatRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            return _error(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+        if body.stream:
+            return _error(400, "stream=true is not supported by this server")
+        if body.model and body.model != model_name:
+            return _error(404, f"model {body.model!r} is not served here; GET /v1/models lists {model_name!r}", "not_found_error")
+        messages = [_normalise(m) for m in body.messages]
+        text = tokenizer.apply_chat_template(
+            messages, tools=body.tools or None, add_generation_prompt=True, tokenize=False
+        )
+        prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        budget = body.max_completion_tokens or body.max_tokens or 512
+        if len(prompt_ids) + budget > service.max_len:
+            budget = service.max_len - len(prompt_ids)
+            if budget < 1:
+                return _error(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {service.max_len}")
+        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_new_tokens=budget)
+        output = await service.generate(prompt_ids, params)
+        generated = tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        parsed = parse_assistant_output(generated)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
+        finish = "length" if output.finish_reason != "stop" else "stop"
+        if parsed.tool_calls and body.tools:
+            message["tool_calls"] = tool_calls_to_openai(parsed)
+            finish = "tool_calls"
+        elif parsed.tool_calls or parsed.errors:
+            message["content"] = generated  # no tools offered: the text is the answer
+        return JSONResponse(
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "usage": {
+                    "prompt_tokens": len(prompt_ids),
+                    "completion_tokens": len(output.token_ids),
+                    "total_tokens": len(prompt_ids) + len(output.token_ids),
+                },
+            }
+        )
+
+    return app
+
+
+def _normalise(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI content parts become text; `developer` is a system message here."""
+    message = dict(message)
+    if message.get("role") == "developer":
+        message["role"] = "system"
+    content = message.get("content")
+    if isinstance(content, list):
+        message["content"] = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    if content is None:
+        message["content"] = ""
+    return message
+
+
+def serve_model(model: str, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
+                dtype: str = "auto", max_slots: int = 32, max_len: int = 4096) -> None:
+    import uvicorn
+
+    path = resolve_model_uri(model)
+    policy = load_policy(path, device=device, dtype=dtype)
+    app = create_model_app(policy, model_name=model, max_slots=max_slots, max_len=max_len)
+    uvicorn.run(app, host=host, port=port, log_level="info")
