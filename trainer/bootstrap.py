@@ -226,7 +226,7 @@ def encode_conversation(
             weights.extend([0.0] * len(encoded["input_ids"]))
             return
         numbers = [m.span() for m in _NUMBER.finditer(text)]
-        for start, stop in encoded["offset_mapping"]:
+        for start, _end in encoded["offset_mapping"]:
             in_number = any(a <= start < b for a, b in numbers)
             weights.append(number_weight if in_number else 1.0)
 

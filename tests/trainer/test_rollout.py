@@ -22,11 +22,16 @@ import torch
 from envs.finqa.faults import FaultConfig
 from envs.finqa.generate import TICKERS
 from envs.finqa.local import local_tool_endpoints
-from trainer.bootstrap import BootstrapSettings, encode_conversation, read_items, supervised_warm_start
+from trainer.bootstrap import (
+    BootstrapSettings,
+    encode_conversation,
+    read_items,
+    supervised_warm_start,
+)
 from trainer.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from trainer.engine import TransformersBackend
 from trainer.modeling import build_model, tiny_config
-from trainer.rollout import RolloutSettings, run_rollouts
+from trainer.rollout import RolloutSettings
 from trainer.tokenizer import build_tokenizer
 from trainer.tools import ToolClient, ToolEndpoint
 
