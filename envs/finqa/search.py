@@ -51,6 +51,7 @@ def load_model(model: str = DEFAULT_MODEL):
         if model not in _models:
             from sentence_transformers import SentenceTransformer
 
+            # on the CPU: on a training machine the GPUs belong to the policy
             _models[model] = SentenceTransformer(_model_path(model), device="cpu")
         return _models[model]
 

@@ -9,7 +9,10 @@ Status codes carry the blame: 4xx is the model's mistake (a path outside the cor
 missing page, arguments that fail the tool's schema) and its `output` goes back to the
 model as the tool's answer; 5xx is the server's. Every call of a rollout shares one
 `trace_id`; the server keeps each trace's calls (bounded, least recently used traces go
-first) so `GET /traces/<trace_id>` and the endpoint grader can see what the model did.
+first) and `GET /traces/<trace_id>` shows what the model did.
+
+`POST /grade` is an endpoint grader (`{"sample", "item", "trace_id"}` -> `{"score"}`):
+the project's numeric grader, partial credit against `item.reference_answer`.
 
 Search embeds the query on the CPU, so tools run in the threadpool and the event loop
 keeps serving; injected latency and faults (`faults.py`) sleep with asyncio for the same
@@ -148,8 +151,8 @@ class CorpusTools:
         for child in sorted(directory.iterdir(), key=lambda p: _natural_key(p.name)):
             if child.name.startswith(".") or not child.resolve().is_relative_to(self.root):
                 continue
-            rel = child.relative_to(self.root).as_posix()
-            lines.append(f"{rel}/" if child.is_dir() else rel)
+            # Names relative to the listed directory: compact, as `ls` prints them.
+            lines.append(f"{child.name}/" if child.is_dir() else child.name)
         return "\n".join(lines) if lines else f"{path!r} is empty"
 
     def cat(self, path: str) -> str:

@@ -152,13 +152,13 @@ def test_call_route_dispatches_on_the_body_name(client, base_url):
 def test_list_shows_children_dirs_with_slash_in_natural_order(client, base_url):
     r = call(client, base_url, "list", {"path": "reports"})
     assert r.json()["output"].splitlines() == [
-        "reports/ACME/", "reports/BOLT/", "reports/CRUX/",
+        "ACME/", "BOLT/", "CRUX/",
     ]  # the link leading outside is not shown
     r = call(client, base_url, "list", {"path": "reports/CRUX/2021"})
     assert r.json()["output"].splitlines() == [
-        "reports/CRUX/2021/page_1.txt",
-        "reports/CRUX/2021/page_2.txt",
-        "reports/CRUX/2021/page_10.txt",
+        "page_1.txt",
+        "page_2.txt",
+        "page_10.txt",
     ]
     assert call(client, base_url, "list", {"path": ""}).json()["output"] == "reports/"
 
