@@ -205,9 +205,10 @@ def test_same_seed_same_rollouts_and_loss_mask_covers_generated_tokens(taught, w
         generated = [t for t, m in zip(record.token_ids, record.gen_mask, strict=True) if m]
         context = [t for t, m in zip(record.token_ids, record.gen_mask, strict=True) if not m]
         assert len(generated) == record.tokens_generated
-        assert "<tool_response>" not in tokenizer.decode(generated)
-        if record.tool_calls:
-            assert "<tool_response>" in tokenizer.decode(context)
+        # every tool output reached the model as context, never as sampled tokens
+        context_text = tokenizer.decode(context)
+        for call in record.tool_calls:
+            assert call.output in context_text
         # the sampled tokens' log-probabilities are real (negative) numbers, context is 0
         assert all(lp <= 0.0 for lp in record.logprobs)
         assert all(lp == 0.0 for lp, m in zip(record.logprobs, record.gen_mask, strict=True) if not m)
