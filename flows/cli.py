@@ -186,6 +186,14 @@ def _serve_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _expectations_derive(args: argparse.Namespace) -> int:
+    from tasks.validate import derive_suite_cli
+
+    path = derive_suite_cli(Path(args.traffic), Path(args.out))
+    print(f"wrote {path}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     print(
         "agentrft demo: the pipeline is not built yet (see the pipeline issue); "
@@ -267,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="auto")
     p.add_argument("--max-len", type=int, default=4096, help="Context length served.")
+
+    exp = sub.add_parser("expectations", help="Great Expectations suites.").add_subparsers(
+        dest="expectations_command", required=True
+    )
+    p = command(exp, "derive", _expectations_derive, "Derive a suite from production traffic.")
+    p.add_argument("--from", dest="traffic", default="data/production_traffic.jsonl")
+    p.add_argument("--out", default="expectations/production_traffic.json")
 
     command(sub, "demo", _demo, "Run the whole pipeline on the embedded default.")
     return parser
