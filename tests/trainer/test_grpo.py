@@ -1,0 +1,440 @@
+"""The GRPO trainer end to end: a taught tiny model, the real tool server, real steps.
+
+The fixture *teaches* a tiny Qwen3 (the demo's supervised warm start) three ways to answer
+each of two items: list the year's directory then answer right, read the page then answer
+right, or answer "0" at once. Sampled at temperature 1 it mixes them, so the groups'
+rewards vary and GRPO has something to move; tool outputs are cut to 256 characters and
+only two short tool schemas are offered, which keeps every rollout under ~400 tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from envs.finqa.generate import TICKERS
+from envs.finqa.local import local_tool_endpoints
+from trainer.bootstrap import (
+    BootstrapSettings,
+    encode_conversation,
+    read_items,
+    supervised_warm_start,
+)
+from trainer.config import config_from_dict
+from trainer.errors import ConfigError
+from trainer.grpo import (
+    GRPOTrainer,
+    batch_advantages,
+    group_advantages,
+    policy_loss,
+    token_logprobs,
+    train,
+)
+from trainer.metrics import read_jsonl
+from trainer.modeling import build_model, tiny_config
+from trainer.rollout import RolloutRecord, RolloutSettings, run_rollouts_async
+from trainer.tokenizer import build_tokenizer
+from trainer.tools import ToolClient, ToolEndpoint
+
+REPO = Path(__file__).resolve().parents[2]
+SYSTEM = "Answer with a number."
+TOOLS = [
+    {"type": "function", "function": {"name": name, "description": text, "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+    for name, text in (("list", "List a directory."), ("cat", "Read a page."))
+]
+GRADER = {"type": "numeric", "name": "answer", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}
+OUTPUT_CHARS = 256
+NAMED_METRICS = [
+    "train/reward_mean", "train/score_mean", "train/tool_calls_mean", "train/tool_calls_p95",
+    "train/tokens_mean", "train/latency_s_mean", "train/infra_error_rate", "train/kl", "train/loss",
+    "train/grad_norm", "train/rollouts_per_s", "train/tokens_per_s", "train/grader_errors",
+    "train/zero_variance_group_share", "train/lr", "timing/sampling_s", "timing/training_s",
+    "timing/eval_s", "timing/step_s",
+]
+# One optimizer update per pass (micro-batches cover the batch), so 1 and 2 processes
+# partition the work identically and must end with the same weights.
+TRAINING = {
+    "batch_size": 2, "compute_multiplier": 0.5, "n_epochs": 2, "learning_rate": 1e-3, "eval_interval": 2,
+    "eval_samples": 2, "ppo_epochs": 2, "micro_batch_size": 8, "kl_coef": 0.05, "checkpoint_interval": 1,
+    "seed": 3,
+}
+
+
+def _call(index: int, name: str, path: str) -> dict:
+    return {"id": f"call_{index}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps({"path": path}, separators=(",", ":"))}}
+
+
+async def _conversation(item: dict, turns: list, endpoints: list[ToolEndpoint]) -> list[dict]:
+    messages = [{"role": "system", "content": SYSTEM}, *item["messages"]]
+    async with ToolClient(endpoints, TOOLS, max_output_chars=OUTPUT_CHARS) as client:
+        for index, turn in enumerate(turns):
+            if isinstance(turn, str):
+                messages.append({"role": "assistant", "content": turn})
+                continue
+            call = _call(index, *turn)
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            result = await client.call(turn[0], call["function"]["arguments"], item=item, trace_id="trace_t", call_id=call["id"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result.output})
+    return messages
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """A model this small runs faster on one thread, and several times faster when other
+    work shares the two cores (OpenMP threads wait for each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def world(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two training items (also the eval items), their corpus pages, and the tool server."""
+    root = tmp_path_factory.mktemp("grpo")
+    items = read_items(demo_data_dir / "train.jsonl", 2)
+    for item in items:
+        year_dir = Path(item["gold_pages"][0]).parent
+        shutil.copytree(demo_data_dir / "corpus" / year_dir, root / "corpus" / year_dir, dirs_exist_ok=True)
+    lines = "".join(json.dumps(item) + "\n" for item in items)
+    (root / "train.jsonl").write_text(lines)
+    (root / "eval.jsonl").write_text(lines)
+    return root
+
+
+@pytest.fixture(scope="module")
+def endpoints(world: Path):
+    with local_tool_endpoints(world / "corpus", max_output_chars=OUTPUT_CHARS) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def taught_model(world: Path, endpoints: list[ToolEndpoint]) -> Path:
+    items = read_items(world / "train.jsonl")
+    conversations = []
+    for item in items:
+        page = item["gold_pages"][0]
+        answer = f"Answer: {item['reference_answer']}"
+        for turns in ([("list", str(Path(page).parent)), answer], [("cat", page), answer], ["Answer: 0"]):
+            conversations.append(asyncio.run(_conversation(item, turns, endpoints)))
+    texts = [json.dumps(c) for c in conversations] + [p.read_text() for p in sorted((world / "corpus").rglob("*.txt"))]
+    tokenizer = build_tokenizer(texts, vocab_size=600, extra_tokens=TICKERS)
+    examples = [encode_conversation(tokenizer, c, TOOLS, number_weight=3.0) for c in conversations]
+    model = build_model(
+        tiny_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id),
+        seed=0,
+    )
+    total = sum(len(ids) for ids, _ in examples)
+    settings = BootstrapSettings(
+        train_tokens=total * 120, tokens_per_batch=total * 2, learning_rate=1e-2, warmup_steps=5, seed=0, max_minutes=4
+    )
+    supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
+    path = world / "model"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def micro_config(world: Path, endpoints: list[ToolEndpoint], **training):
+    return config_from_dict({
+        "data": {"train_file": str(world / "train.jsonl"), "eval_file": str(world / "eval.jsonl"),
+                 "corpus_dir": str(world / "corpus")},
+        "tools": {"endpoints": [e.model_dump() for e in endpoints], "schemas": TOOLS,
+                  "max_output_chars": OUTPUT_CHARS, "demo_server": False, "max_retries": 2},
+        "grader": GRADER,
+        # One rollout at a time: with several, which sequences share an engine batch depends
+        # on when tool answers arrive, and the logits move in the last bits with the batch;
+        # alone, every run samples bit-identical rollouts and runs can be compared exactly.
+        "rollout": {"system_prompt": SYSTEM, "max_turns": 3, "max_new_tokens_per_turn": 48, "max_total_tokens": 768,
+                    "max_concurrent_rollouts": 1},
+        "training": {**TRAINING, **training},
+        "mlflow": {"tracking_uri": f"sqlite:///{world / 'mlflow.db'}"},
+    })
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def _comparable(row: dict) -> dict:
+    """Metrics that do not depend on wall time."""
+    return {k: v for k, v in row.items() if not (k.startswith("timing/") or "latency" in k or k.endswith("_per_s"))}
+
+
+@pytest.fixture(scope="module")
+def two_step_run(world: Path, endpoints: list[ToolEndpoint], taught_model: Path):
+    """The uninterrupted 2-step run, through the CLI entry point, logging to MLflow."""
+    from mlflow import MlflowClient
+
+    from trainer.train_cli import main
+
+    config = micro_config(world, endpoints)
+    config_file = world / "micro.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    client = MlflowClient(config.mlflow.tracking_uri)
+    run_id = client.create_run(client.create_experiment("grpo-test")).info.run_id
+    out = world / "run"
+    code = main(["--config", str(config_file), "--model", str(taught_model), "--output-dir", str(out),
+                 "--mlflow-run-id", run_id])
+    assert code == 0
+    return out, run_id, client
+
+
+def test_two_steps_change_the_weights_and_log_every_metric(two_step_run, taught_model: Path):
+    out, run_id, client = two_step_run
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        missing = [name for name in NAMED_METRICS if row.get(name) is None]
+        assert not missing, missing
+        assert row["train/rollouts"] == 8 and row["train/lr"] == pytest.approx(1e-3)
+        assert 0 <= row["train/zero_variance_group_share"] <= 1
+    # eval before training and after the last step, on both items
+    assert rows[0]["eval/rollouts"] == 2 and rows[2]["eval/rollouts"] == 2 and "eval/score_mean" not in rows[1]
+    updates = sum(row["train/updates"] for row in rows[1:])
+    assert updates > 0, "no group varied: the taught model should mix right and wrong answers"
+    assert any(row["train/loss"] != 0 and row["train/grad_norm"] > 0 for row in rows[1:])
+
+    before, after = _weights(taught_model), _weights(out / "final")
+    assert set(before) == set(after)
+    assert max((before[k] - after[k]).abs().max().item() for k in before) > 1e-4
+
+    # the same values reached the MLflow run
+    history = client.get_metric_history(run_id, "train/reward_mean")
+    assert sorted((m.step, round(m.value, 6)) for m in history) == [
+        (row["step"], round(row["train/reward_mean"], 6)) for row in rows[1:]
+    ]
+    assert {m.step for m in client.get_metric_history(run_id, "eval/score_mean")} == {0, 2}
+    artifacts = {a.path for a in client.list_artifacts(run_id, "figures")}
+    assert artifacts == {"figures/reward_curve.png", "figures/tool_calls_tokens.png", "figures/policy_shift.png"}
+
+    kept = read_jsonl(out / "rollouts" / "step_1.jsonl")
+    assert kept and all(row["step"] == 1 and row["messages"] for row in kept)
+    assert {row["kept_as"] for row in kept} <= {"best", "worst"}
+    assert (out / "best" / "step_2" / "config.json").is_file()
+    result = json.loads((out / "train_result.json").read_text())
+    assert result["steps"] == 2 and result["best_checkpoints"][0]["step"] == 2
+
+
+def test_stopped_and_resumed_run_matches_the_uninterrupted_one(two_step_run, world, endpoints, taught_model):
+    reference_dir, _, _ = two_step_run
+    config = micro_config(world, endpoints)
+    out = world / "resumed"
+    first = GRPOTrainer(config, model_path=str(taught_model), output_dir=out)
+    first.setup()
+    try:
+        stopped = first.train(stop_after=1)
+    finally:
+        first.cleanup()
+    assert stopped.steps == 1 and stopped.model_dir is None
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_1"]
+
+    result = train(config, model_path=str(taught_model), output_dir=out, resume=True)
+    assert result.steps == 2
+    expected = [_comparable(r) for r in read_jsonl(reference_dir / "metrics.jsonl")]
+    got = [_comparable(r) for r in read_jsonl(out / "metrics.jsonl")]
+    assert [r["step"] for r in got] == [0, 1, 2]
+    for want, have in zip(expected, got, strict=True):
+        assert want.keys() == have.keys()
+        for key in want:
+            assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
+    reference, resumed = _weights(reference_dir / "final"), _weights(out / "final")
+    assert max((reference[k] - resumed[k]).abs().max().item() for k in reference) < 1e-6
+
+    # a finished run's directory is not silently reused, nor resumed with another data order
+    for changed, resume, message in (({}, False, "pass --resume"), ({"seed": 4}, True, "seed: now 4, checkpoint 3")):
+        trainer = GRPOTrainer(micro_config(world, endpoints, **changed), model_path=str(taught_model),
+                              output_dir=out, resume=resume)
+        with pytest.raises(ConfigError, match=message):
+            trainer.setup()
+        trainer.cleanup()
+
+
+def test_cli_launches_several_cpu_processes_with_torchrun_and_gloo(world, endpoints):
+    from trainer.train_cli import launch_command
+
+    config = micro_config(world, endpoints, num_processes=2)
+    command, env = launch_command(config, ["--config", "x.yaml"])
+    assert command[-4:] == ["-m", "trainer.train_cli", "--config", "x.yaml"]
+    assert command[command.index("--num_processes") + 1] == "2" and env["AGENTRFT_LAUNCHED"] == "1"
+    if not torch.cuda.is_available():
+        assert "--multi_gpu" in command and "--cpu" not in command and env["ACCELERATE_USE_CPU"] == "true"
+
+
+def test_advantages_leave_out_rollouts_without_a_reward():
+    assert group_advantages([1.0, None, 0.0, 0.0], scale=False) == pytest.approx([2 / 3, None, -1 / 3, -1 / 3])
+    scaled = group_advantages([1.0, None, 0.0], scale=True)
+    assert scaled[1] is None and scaled[0] == pytest.approx(0.5 / (0.5**0.5 + 1e-6))
+    assert group_advantages([0.5, 0.5, None], scale=True) is None  # no variance: no signal
+    assert group_advantages([1.0, None, None], scale=True) is None  # one reward: no signal
+
+
+def test_infra_failures_are_left_out_of_the_loss_and_counted(world, endpoints, taught_model):
+    # `cat` points at a port nobody listens on: rollouts that read a page fail as infra.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead_port = sock.getsockname()[1]
+    broken = [e if e.name != "cat" else ToolEndpoint(name="cat", server_url=f"http://127.0.0.1:{dead_port}/tools/cat")
+              for e in endpoints]
+    config = micro_config(world, broken, max_steps=1, kl_coef=0.0)
+    trainer = GRPOTrainer(config, model_path=str(taught_model), output_dir=world / "infra")
+    trainer.setup()
+    try:
+        records = trainer._rollouts(read_items(world / "train.jsonl"), 4, seed=11)
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    infra = [r for r in records if r.status == "infra_error"]
+    assert infra and len(infra) < len(records)
+    advantages, _ = batch_advantages(records, 4, scale=True)
+    for record, advantage in zip(records, advantages, strict=True):
+        if record.status == "infra_error":
+            assert record.reward is None and advantage is None
+    for start in range(0, len(records), 4):
+        group = list(zip(records[start : start + 4], advantages[start : start + 4], strict=True))
+        used = [(r, a) for r, a in group if a is not None]
+        if used:  # centred over the rollouts that have a reward, and only those
+            assert sum(a for _, a in used) == pytest.approx(0.0, abs=1e-6)
+            assert len(used) == sum(1 for r, _ in group if r.trainable)
+
+    (row,) = [r for r in read_jsonl(world / "infra" / "metrics.jsonl") if r["step"] == 1]
+    assert 0 < row["train/infra_error_rate"] < 1
+    infra_count = round(row["train/infra_error_rate"] * row["train/rollouts"])
+    assert row["train/rollouts_in_loss"] <= row["train/rollouts"] - infra_count
+
+
+def test_loss_gives_no_gradient_to_tool_output_tokens(world, endpoints, taught_model):
+    from trainer.policy import load_policy
+
+    policy = load_policy(str(taught_model), device="cpu")
+    settings = RolloutSettings(system_prompt=SYSTEM, temperature=0.7, max_turns=3, max_new_tokens_per_turn=48,
+                               max_total_tokens=768)
+
+    async def rollouts() -> list[RolloutRecord]:
+        backend = policy.backend(max_slots=16, max_len=768, seed=5)
+        async with ToolClient(endpoints, TOOLS, max_output_chars=OUTPUT_CHARS) as client:
+            return await run_rollouts_async(backend, policy.tokenizer, read_items(world / "train.jsonl"), n_per_item=4,
+                                            tool_client=client, grader=GRADER, settings=settings, tools=TOOLS)
+
+    record = next(r for r in asyncio.run(rollouts()) if r.tool_calls and r.status == "ok")
+    ids = torch.tensor([record.token_ids])
+    gen = torch.tensor([record.gen_mask], dtype=torch.bool)
+    mask = gen[:, 1:]
+    first = int(gen[0].nonzero()[0])
+    tool_output = ~gen[0] & (torch.arange(len(record.token_ids)) > first)  # context after the first generated token
+    assert tool_output.sum() > 10
+
+    with torch.no_grad():
+        base_logits = policy.model(ids).logits
+    # The trainer recomputes the sampler's logprobs from logits / T, at the same temperature.
+    recomputed = token_logprobs(base_logits, ids, 0.7)
+    assert torch.allclose(recomputed[mask], torch.tensor([record.logprobs[1:]])[mask], atol=1e-4)
+
+    def loss_and_grad(token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = base_logits.clone().requires_grad_(True)
+        new = token_logprobs(logits, token_ids, 0.7)
+        old = torch.tensor([record.logprobs[1:]]) - 0.05  # off-policy: clipping and ratios all in play
+        loss, _ = policy_loss(new, old, torch.tensor([1.0]), mask, clip_eps=0.2, kl_coef=0.1, ref=new.detach() + 0.1)
+        loss.backward()
+        return loss.detach(), logits.grad[0]
+
+    loss, grad = loss_and_grad(ids)
+    predicts_context = ~mask[0]  # row t predicts token t + 1
+    assert grad[:-1][predicts_context].abs().max() == 0
+    assert grad[:-1][mask[0]].abs().sum(-1).gt(0).all()
+    assert grad[-1].abs().max() == 0  # the last position predicts nothing
+
+    # Perturbing the tool outputs' tokens changes neither the loss nor its gradient.
+    perturbed = ids.clone()
+    perturbed[0, tool_output] = torch.randint(0, len(policy.tokenizer), (int(tool_output.sum()),),
+                                              generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(perturbed, ids)
+    loss2, grad2 = loss_and_grad(perturbed)
+    assert torch.equal(loss, loss2) and torch.equal(grad, grad2)
+
+
+def test_lora_run_saves_merged_weights(world, endpoints, taught_model):
+    from transformers import AutoModelForCausalLM
+
+    config = micro_config(world, endpoints, max_steps=1, eval_samples=1,
+                          lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    result = train(config, model_path=str(taught_model), output_dir=world / "lora")
+    weights = _weights(result.model_dir)
+    base = _weights(taught_model)
+    assert set(weights) == set(base)  # merged: plain weights, no adapter tensors
+    assert read_jsonl(world / "lora" / "metrics.jsonl")[-1]["train/updates"] > 0
+    # the adapters moved, merged into the projections they wrap, and only there
+    changed = [k for k in base if not torch.equal(base[k], weights[k])]
+    assert changed and all("q_proj" in k or "v_proj" in k for k in changed)
+    AutoModelForCausalLM.from_pretrained(result.model_dir)
+
+
+@pytest.mark.slow
+def test_two_processes_end_with_identical_weights(two_step_run, world, endpoints, taught_model, tmp_path):
+    """Two CPU processes under `accelerate launch`: rollouts sharded by item, DDP update.
+    Both processes must hold the same weights, and the same as the one-process run.
+    (`accelerate launch --cpu --num_processes 2` would start one process: accelerate
+    spawns several CPU processes through MPI only. Its torchrun launcher with
+    ACCELERATE_USE_CPU=true starts two gloo processes, as `trainer.train_cli` does.)"""
+    reference_dir, _, _ = two_step_run
+    config = micro_config(world, endpoints)
+    config_file = tmp_path / "micro.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    script = tmp_path / "two_processes.py"
+    script.write_text(textwrap.dedent("""
+        import hashlib, sys
+        from pathlib import Path
+        from trainer.config import load_config
+        from trainer.grpo import GRPOTrainer
+
+        config_file, model, out = sys.argv[1:4]
+        trainer = GRPOTrainer(load_config(config_file), model_path=model, output_dir=Path(out))
+        trainer.setup()
+        try:
+            trainer.train()
+            digest = hashlib.sha256()
+            state = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+            for name in sorted(state):
+                digest.update(name.encode())
+                digest.update(state[name].detach().cpu().numpy().tobytes())
+            rank = trainer.accelerator.process_index
+            (Path(out) / f"weights_{rank}.sha256").write_text(digest.hexdigest())
+        finally:
+            trainer.cleanup()
+    """))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    done = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--main_process_port", str(port), str(script), str(config_file), str(taught_model), str(out)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    hashes = [(out / f"weights_{rank}.sha256").read_text() for rank in (0, 1)]
+    assert hashes[0] == hashes[1]
+    final = _weights(out / "final")
+    reference = _weights(reference_dir / "final")
+    assert max((reference[k] - final[k]).abs().max().item() for k in reference) < 1e-4
+    one, two = read_jsonl(reference_dir / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    for want, have in zip(one, two, strict=True):
+        for key in ("train/reward_mean", "train/rollouts_in_loss", "train/loss", "eval/score_mean"):
+            if key in want:
+                assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (want["step"], key)
