@@ -283,11 +283,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="traffic", default="data/production_traffic.jsonl")
     p.add_argument("--out", default="expectations/production_traffic.json")
 
+    sub.add_parser("train", help="RFT training (GRPO); see `agentrft train --help`.", add_help=False)
+
     command(sub, "demo", _demo, "Run the whole pipeline on the embedded default.")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # the trainer owns its arguments (it also runs under accelerate launch)
+        from trainer.train_cli import main as train_main
+
+        return train_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
