@@ -38,7 +38,7 @@ import torch
 from trainer.chat_format import assistant_turn_end, continuation_text
 from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 
-BOOTSTRAP_VERSION = "1"
+BOOTSTRAP_VERSION = "2"
 
 
 @dataclass
@@ -64,10 +64,10 @@ class BootstrapSettings:
     demos_per_item: int = 2
     max_items: int | None = None
     train_tokens: int = 4_000_000
-    tokens_per_batch: int = 8192
+    tokens_per_batch: int = 3072
     learning_rate: float = 3e-3
     warmup_steps: int = 30
-    number_weight: float = 3.0
+    number_weight: float = 4.0
     seed: int = 0
     max_minutes: float = 10.0
     max_output_chars: int = 2000
@@ -207,12 +207,18 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?%?")
 
 
 def encode_conversation(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, number_weight: float
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    *,
+    number_weight: float,
+    copy_words: re.Pattern[str] = re.compile(r"(?!)"),
 ) -> tuple[list[int], list[float]]:
     """Token ids and per-token loss weights, built piece by piece exactly as the rollout
     engine builds them (prompt, generated turn, tool outputs, ...), so the warm start sees
     the token boundaries the policy will see. Assistant tokens weigh 1, the digits they
-    write weigh `number_weight`, everything else 0."""
+    write (and the `copy_words` they copy, e.g. company tickers) weigh `number_weight`,
+    everything else 0."""
     end = assistant_turn_end(tokenizer)
     ids: list[int] = []
     weights: list[float] = []
@@ -225,7 +231,9 @@ def encode_conversation(
         if not trained:
             weights.extend([0.0] * len(encoded["input_ids"]))
             return
-        numbers = [m.span() for m in _NUMBER.finditer(text)]
+        # Copies out of the context (numbers, company names) are what a small model learns
+        # last; weighting them up is what makes it read the question and the pages.
+        numbers = [m.span() for m in _NUMBER.finditer(text)] + [m.span() for m in copy_words.finditer(text)]
         for start, _end in encoded["offset_mapping"]:
             in_number = any(a <= start < b for a, b in numbers)
             weights.append(number_weight if in_number else 1.0)
@@ -407,7 +415,10 @@ def bootstrap_demo_model(
         )
     demo_seconds = time.perf_counter() - started
     examples = [
-        encode_conversation(tokenizer, messages, tools, number_weight=settings.number_weight)
+        encode_conversation(
+            tokenizer, messages, tools, number_weight=settings.number_weight,
+            copy_words=re.compile("|".join(rf"\b{re.escape(t)}\b" for t in TICKERS)),
+        )
         for messages in demos
     ]
     tool_calls = [sum(len(m.get("tool_calls", [])) for m in conv) for conv in demos]
