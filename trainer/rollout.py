@@ -137,8 +137,11 @@ def compute_reward(record: RolloutRecord, settings: RolloutSettings) -> None:
 class _Driver:
     """Owns the backend: applies submissions between steps and wakes waiting rollouts."""
 
-    def __init__(self, backend: GenerationBackend):
+    def __init__(self, backend: GenerationBackend, turn_end: str):
         self.backend = backend
+        # What the chat template writes after an assistant turn (ChatML: "<|im_end|>\n");
+        # rendered once here, not on every turn of every rollout.
+        self.turn_end = turn_end
         self.waiting: dict[str, asyncio.Future[TurnOutput]] = {}
         self.queue: list[tuple[str, list[int], SamplingParams]] = []
         self.wake = asyncio.Event()
@@ -291,7 +294,7 @@ async def _loop_turns(
             messages.append({"role": "tool", "tool_call_id": "invalid", "content": f"Error: {error}"})
         # The model sampled the end-of-turn token; the template's turn end may add more
         # ("\n" after ChatML's <|im_end|>) before the tool responses.
-        end = assistant_turn_end(tokenizer)
+        end = driver.turn_end
         stop = tokenizer.eos_token or ""
         tail = end[len(stop):] if output.finish_reason == "stop" and end.startswith(stop) else end
         append_ids = _encode(tokenizer, tail + continuation_text(tokenizer, messages, tools, n_done=n_done))
@@ -335,7 +338,7 @@ async def run_rollouts_async(
 ) -> list[RolloutRecord]:
     """Run `n_per_item` rollouts of every item; records come back grouped by item, in
     order (item 0 samples 0..n-1, item 1, ...)."""
-    driver = _Driver(backend)
+    driver = _Driver(backend, assistant_turn_end(tokenizer))
     driver_task = asyncio.create_task(driver.run())
     slots = asyncio.Semaphore(max_concurrent)
     try:
