@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 from trainer.errors import ConfigError
 from trainer.tools import ToolEndpoint
@@ -161,8 +161,8 @@ Auto = Literal["auto"]
 
 
 class TrainingConfig(Section):
-    n_epochs: int | Auto = Field("auto", description="Passes over the training items (auto: 1).")
-    batch_size: int | Auto = Field("auto", description="Items per step (auto: 8).")
+    n_epochs: PositiveInt | Auto = Field("auto", description="Passes over the training items (auto: 1).")
+    batch_size: PositiveInt | Auto = Field("auto", description="Items per step (auto: 8).")
     learning_rate_multiplier: float | Auto = Field(
         "auto", description="Times the base learning rate of 1e-5 (auto: 1.0)."
     )
@@ -170,8 +170,8 @@ class TrainingConfig(Section):
     compute_multiplier: float | Auto = Field(
         "auto", description="Scales rollouts per item: group size = round(8 x multiplier), min 2 (auto: 1.0)."
     )
-    eval_interval: int | Auto = Field("auto", description="Steps between evaluations (auto: 10).")
-    eval_samples: int | Auto = Field("auto", description="Held-out items per evaluation (auto: 64).")
+    eval_interval: PositiveInt | Auto = Field("auto", description="Steps between evaluations (auto: 10).")
+    eval_samples: PositiveInt | Auto = Field("auto", description="Held-out items per evaluation (auto: 64).")
     seed: int = Field(42, description="Seed of data order, sampling and init.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps.")
     ppo_epochs: int = Field(1, ge=1, description="Optimisation passes over each batch of rollouts.")

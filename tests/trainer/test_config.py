@@ -115,3 +115,9 @@ def test_section_hash_tracks_only_named_sections() -> None:
     b = config_from_dict({"training": {"seed": 7}})
     assert a.section_hash("data", "baseline") == b.section_hash("data", "baseline")
     assert a.section_hash("training") != b.section_hash("training")
+
+
+def test_openai_hyperparameters_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="training.batch_size"):
+        config_from_dict({"training": {"batch_size": 0}})
+    assert config_from_dict({"training": {"batch_size": 4}}).training.batch_size == 4
