@@ -119,7 +119,6 @@ def _model_bootstrap(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from envs.finqa.local import local_tool_endpoints
     from trainer.bootstrap import read_items, resolve_base_model
     from trainer.config import load_config
     from trainer.evaluate import run_evaluation, write_outputs
@@ -142,7 +141,7 @@ def _eval(args: argparse.Namespace) -> int:
         "max_retries": config.tools.max_retries,
         "max_output_chars": config.tools.max_output_chars,
     }
-    with _endpoints(config, local_tool_endpoints) as endpoints:
+    with _endpoints(config) as endpoints:
         summary, records = run_evaluation(
             backend, policy.tokenizer, items, k=k, endpoints=endpoints, grader=config.grader,
             settings=settings, tool_options=tool_options,
@@ -154,8 +153,11 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _endpoints(config, local_tool_endpoints):
+def _endpoints(config):
+    """The demo tool server on loopback, or the endpoints the config declares."""
     from contextlib import nullcontext
+
+    from envs.finqa.local import local_tool_endpoints
 
     if config.tools.demo_server and not config.tools.endpoints:
         return local_tool_endpoints(

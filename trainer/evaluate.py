@@ -178,7 +178,7 @@ def plot_item_spread(summary: EvalSummary, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_tool_calls(records: Sequence[RolloutRecord], path: Path, *, label: str = "rollouts") -> None:
+def plot_tool_calls(records: Sequence[RolloutRecord], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,7 +187,7 @@ def plot_tool_calls(records: Sequence[RolloutRecord], path: Path, *, label: str 
     counts = [len(r.tool_calls) for r in records if r.status != "infra_error"]
     fig, ax = plt.subplots(figsize=(5, 3))
     top = max(counts, default=0)
-    ax.hist(counts, bins=np.arange(top + 2) - 0.5, color="C1", label=label)
+    ax.hist(counts, bins=np.arange(top + 2) - 0.5, color="C1")
     ax.set_xlabel("tool calls per rollout")
     ax.set_ylabel("rollouts")
     fig.tight_layout()
@@ -216,8 +216,7 @@ def run_evaluation(
     from trainer.tools import ToolClient
 
     async def go() -> list[RolloutRecord]:
-        schemas = tools if tools is not None else None
-        async with ToolClient(list(endpoints), schemas, **(tool_options or {})) as client:
+        async with ToolClient(list(endpoints), tools, **(tool_options or {})) as client:
             return await run_rollouts_async(
                 backend, tokenizer, items, n_per_item=k, tool_client=client, grader=grader,
                 settings=settings, tools=tools, max_concurrent=max_concurrent,

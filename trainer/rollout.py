@@ -363,7 +363,3 @@ async def run_rollouts_async(
         if not driver_task.done():
             await driver_task
 
-
-def run_rollouts(*args: Any, **kwargs: Any) -> list[RolloutRecord]:
-    """Synchronous front of `run_rollouts_async` (builds the tool client's loop)."""
-    return asyncio.run(run_rollouts_async(*args, **kwargs))
