@@ -141,7 +141,9 @@ def _eval(args: argparse.Namespace) -> int:
         "max_retries": config.tools.max_retries,
         "max_output_chars": config.tools.max_output_chars,
     }
-    with _endpoints(config) as endpoints:
+    from tasks.rollout_eval import tool_endpoints
+
+    with tool_endpoints(config) as endpoints:
         summary, records = run_evaluation(
             backend, policy.tokenizer, items, k=k, endpoints=endpoints, grader=config.grader,
             settings=settings, tool_options=tool_options,
@@ -151,20 +153,6 @@ def _eval(args: argparse.Namespace) -> int:
     _print_summary(summary)
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
-
-
-def _endpoints(config):
-    """The demo tool server on loopback, or the endpoints the config declares."""
-    from contextlib import nullcontext
-
-    from envs.finqa.local import local_tool_endpoints
-
-    if config.tools.demo_server and not config.tools.endpoints:
-        return local_tool_endpoints(
-            Path(config.data.corpus_dir), port=config.tools.demo_server_port,
-            max_output_chars=config.tools.max_output_chars,
-        )
-    return nullcontext(list(config.tools.endpoints))
 
 
 def _print_summary(summary) -> None:
@@ -196,13 +184,149 @@ def _expectations_derive(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grader_probe(args: argparse.Namespace) -> int:
+    from trainer.bootstrap import read_items
+    from trainer.graders import validate_grader_file
+    from trainer.graders.probe import run_probes
+
+    grader = validate_grader_file(Path(args.grader))
+    items = read_items(Path(args.dataset), args.max_items)
+    report = run_probes(grader, items, corpus_dir=Path(args.corpus) if args.corpus else None)
+    print(json.dumps(report.to_json(), indent=2))
+    if report.flagged:
+        print(f"{len(report.flagged)} of {report.tried} probes scored above 0.1: the grader can be gamed",
+              file=sys.stderr)
+    return 0 if report.passed else 1
+
+
+def _pipeline_config(args: argparse.Namespace):
+    from trainer.config import load_config, missing_env_vars
+
+    if getattr(args, "openai_job", None):
+        import yaml
+
+        from flows.openai_job import load_openai_job
+
+        base = yaml.safe_load(Path(args.config).read_text()) if args.config else None
+        config, notes = load_openai_job(Path(args.openai_job), base=base, model=args.model)
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+    else:
+        config = load_config(args.config or "configs/demo.yaml")
+    missing = missing_env_vars(config)
+    if missing:
+        raise AgentRFTError("environment variables referenced by tool headers are not set: " + ", ".join(missing))
+    return config
+
+
+def _run_pipeline(config, refresh: list[str]) -> dict:
+    """Run the pipeline flow; a failed run's reason becomes the command's error."""
+    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
+
+    state = agent_rft_pipeline(**pipeline_parameters(config, refresh), return_state=True)
+    if not state.is_completed():
+        try:
+            state.result()
+        except AgentRFTError:
+            raise
+        except Exception as exc:
+            raise AgentRFTError(f"the pipeline failed: {exc}") from None
+    return state.result()
+
+
+def _print_outcome(outcome: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    before_after = outcome.get("before_after")
+    if before_after:
+        table = Table(title="before / after (same held-out items and seeds)")
+        for column in ("metric", "baseline", "candidate", "change"):
+            table.add_column(column, justify="left" if column == "metric" else "right")
+        for name, values in before_after.items():
+            b, a = values["baseline"], values["candidate"]
+            change = f"{(a - b) / b:+.1%}" if b else "n/a"
+            table.add_row(name, f"{b:.4g}", f"{a:.4g}", change)
+        console.print(table)
+        gain = outcome["score_gain"]
+        console.print(f"score gain {gain['gain']:+.4f}, 95% CI [{gain['low']:+.4f}, {gain['high']:+.4f}]")
+    console.print(f"outcome: {outcome['outcome']}: {outcome.get('decision', '')}")
+    cached = [name for name, stage in outcome.get("stages", {}).items() if stage["cached"]]
+    if cached:
+        console.print(f"served from cache: {', '.join(cached)}")
+    console.print(f"MLflow parent run: {outcome['parent_run_id']}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = _pipeline_config(args)
+    outcome = _run_pipeline(config, args.refresh or [])
+    _print_outcome(outcome)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
-    print(
-        "agentrft demo: the pipeline is not built yet (see the pipeline issue); "
-        "the foundation parts run with `make test`.",
-        file=sys.stderr,
-    )
-    return 3
+    import time
+
+    from envs.finqa.dvc_pin import dir_md5, pinned_md5
+    from envs.finqa.generate import generate_dataset
+    from trainer.config import load_config
+
+    started = time.perf_counter()
+    config = load_config(args.config)
+    data_dir, pinned = Path(config.data.data_dir), pinned_md5(Path(config.data.dvc_file))
+    if not data_dir.is_dir() or dir_md5(data_dir) != pinned:
+        print(f"regenerating {data_dir} (pinned md5 {pinned})")
+        generate_dataset(data_dir, seed=config.data.generator_seed)
+        if dir_md5(data_dir) != pinned:
+            raise AgentRFTError(f"{data_dir}: regenerated data does not match {config.data.dvc_file}; "
+                                "run `agentrft data verify` for the first differing file")
+    outcome = _run_pipeline(config, args.refresh or [])
+    _print_outcome(outcome)
+    print(f"demo wall time: {time.perf_counter() - started:.0f} s")
+    print("open the UIs: `agentrft ui` (Prefect http://127.0.0.1:4200, MLflow http://127.0.0.1:5000); "
+          "promote or roll back: `agentrft promote --name "
+          f"{config.promotion.registered_model} --action rollback`")
+    return 0
+
+
+def _promote(args: argparse.Namespace) -> int:
+    from flows.pipeline import promote_model
+
+    state = promote_model(name=args.name, version_or_alias=args.version or "", action=args.action,
+                          tracking_uri=args.tracking_uri, return_state=True)
+    try:
+        print(json.dumps(state.result(), indent=2))
+    except AgentRFTError:
+        raise
+    except Exception as exc:
+        raise AgentRFTError(f"promote-model failed: {exc}") from None
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from flows.serve import serve_deployments
+    from trainer.config import load_config
+
+    serve_deployments(load_config(args.config))
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from flows.serve import deploy_to_work_pool
+    from trainer.config import load_config
+
+    ids = deploy_to_work_pool(load_config(args.config), args.work_pool, schedule=not args.no_schedule)
+    print(json.dumps({"work_pool": args.work_pool, "deployments": ids}, indent=2))
+    print(f"start a worker: prefect worker start --pool {args.work_pool}")
+    return 0
+
+
+def _ui(args: argparse.Namespace) -> int:
+    from flows.serve import start_uis
+
+    start_uis(args.tracking_uri, prefect_port=args.prefect_port, mlflow_port=args.mlflow_port)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,6 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--item", required=True, help="JSON file with one data row.")
     p.add_argument("--sample", help="The model's output text.")
     p.add_argument("--sample-file", help="A file holding the model's output text.")
+    p = command(grader, "probe", _grader_probe, "Score reward-hacking probes; exit 1 if any scores above 0.1.")
+    p.add_argument("--grader", required=True)
+    p.add_argument("--dataset", required=True, help="JSONL items (reference answers, gold pages).")
+    p.add_argument("--max-items", type=int, default=20)
+    p.add_argument("--corpus", default=None, help="Corpus root, to probe with the gold page's numbers.")
 
     config = sub.add_parser("config", help="Pipeline configs.").add_subparsers(
         dest="config_command", required=True
@@ -287,7 +416,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("train", help="RFT training (GRPO); see `agentrft train --help`.", add_help=False)
 
-    command(sub, "demo", _demo, "Run the whole pipeline on the embedded default.")
+    p = command(sub, "run", _run, "Run the pipeline (validate, baseline, prompts, RFT, eval, promotion).")
+    p.add_argument("--config", default=None, help="Pipeline config (default configs/demo.yaml); with "
+                   "--openai-job, the base the job is laid over.")
+    p.add_argument("--openai-job", default=None, help="An OpenAI fine-tuning job body (method reinforcement).")
+    p.add_argument("--model", default=None, help="With --openai-job: the base model path or hub id.")
+    p.add_argument("--refresh", nargs="*", metavar="STAGE", help="Re-run these stages even if cached.")
+
+    p = command(sub, "demo", _demo, "Run the whole pipeline on the embedded default.")
+    p.add_argument("--config", default="configs/demo.yaml")
+    p.add_argument("--refresh", nargs="*", metavar="STAGE", help="Re-run these stages even if cached.")
+
+    p = command(sub, "promote", _promote, "Promote a registered version to champion, or roll back.")
+    p.add_argument("--name", required=True, help="Registered model name.")
+    p.add_argument("--version", default="", help="Version or alias (promote: default challenger).")
+    p.add_argument("--action", choices=["promote", "rollback"], default="promote")
+    p.add_argument("--tracking-uri", default="sqlite:///mlflow.db")
+
+    p = command(sub, "serve", _serve, "Serve the pipeline (cron) and promotion deployments.")
+    p.add_argument("--config", default="configs/demo.yaml")
+    p = command(sub, "deploy", _deploy, "Register the deployments on a Prefect work pool.")
+    p.add_argument("--config", default="configs/demo.yaml")
+    p.add_argument("--work-pool", required=True)
+    p.add_argument("--no-schedule", action="store_true", help="Register without the cron schedule.")
+    p = command(sub, "ui", _ui, "Start the Prefect and MLflow UIs on loopback.")
+    p.add_argument("--tracking-uri", default="sqlite:///mlflow.db")
+    p.add_argument("--prefect-port", type=int, default=4200)
+    p.add_argument("--mlflow-port", type=int, default=5000)
     return parser
 
 

@@ -35,8 +35,19 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from prefect import task
 
 from envs.finqa.generate import normalize_question
+from tasks.tracking import (
+    RunContext,
+    log_datasets,
+    log_json,
+    log_metrics,
+    log_text,
+    publish_summary,
+    stage_run,
+)
+from trainer.config import PipelineConfig
 from trainer.errors import DataError
 from trainer.graders import grade, sample_from_text, validate_grader
 from trainer.graders.result import GraderError
@@ -845,10 +856,11 @@ class StageReport:
 
 
 def validate_splits(
-    suite: dict[str, Any], train_path: Path, eval_path: Path, grader: dict[str, Any]
+    suite: dict[str, Any] | None, train_path: Path, eval_path: Path, grader: dict[str, Any]
 ) -> StageReport:
-    """Validate train and eval against the suite, check that they share no id or
-    normalised question, and that the grader can use every row's reference answer."""
+    """Validate train and eval against the suite (None: no suite), check that they share
+    no id or normalised question, and that the grader can use every row's reference answer."""
+    suite = suite or {"name": "(no suite)", "expectations": [], "meta": {}}
     train_path, eval_path = Path(train_path), Path(eval_path)
     n = int(
         suite.get("meta", {}).get("thresholds", {}).get("sample_rows", THRESHOLDS["sample_rows"])
@@ -897,3 +909,46 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and math.isnan(value):
         return None
     return value
+
+
+# --- the Prefect task --------------------------------------------------------------------
+
+
+def check_pin(data_dir: Path, dvc_file: Path) -> list[dict[str, Any]]:
+    """The data directory must be exactly what `data.dvc` pins (else the data version
+    every run is tagged with would be a lie)."""
+    from envs.finqa.dvc_pin import dir_md5, pinned_md5
+
+    pinned, actual = pinned_md5(dvc_file), dir_md5(data_dir)
+    if pinned == actual:
+        return []
+    return [{
+        "dataset": str(data_dir), "expectation": "dvc_pin_matches", "column": "(all files)",
+        "observed": actual, "expected": pinned,
+        "samples": [f"run `dvc checkout` (or `agentrft data generate`), or `dvc add {data_dir}` to pin new data"],
+    }]
+
+
+@task(name="validate_data", persist_result=True, cache_key_fn=lambda _ctx, params: params["stage_key"])
+def validate_data(config: PipelineConfig, ctx: RunContext, stage_key: str) -> dict[str, Any]:
+    """GX suite, leakage, reference and pin checks on train and eval; fails with the report."""
+    data = config.data
+    with stage_run(ctx, "validate_data", config) as (client, run_id):
+        suite = load_suite(Path(data.expectations_suite)) if data.expectations_suite else None
+        report = validate_splits(suite, Path(data.train_file), Path(data.eval_file), config.grader)
+        if data.dvc_file:
+            report.checks += check_pin(Path(data.data_dir), Path(data.dvc_file))
+        log_datasets(ctx, run_id, {"train": Path(data.train_file), "eval": Path(data.eval_file)})
+        log_metrics(client, run_id, report.metrics())
+        markdown = report.to_markdown()
+        log_text(client, run_id, markdown, "validation_report.md")
+        log_json(client, run_id, _jsonable(report.to_json()), "validation_report.json")
+        publish_summary(ctx, "validate_data", run_id, markdown)
+        if not report.ok:
+            first = report.failures[0]
+            raise DataError(
+                f"validate_data: {len(report.failures)} failed checks; first: `{first['expectation']}` "
+                f"on `{first['column']}` of {first['dataset']}: observed {_short(first['observed'])}, "
+                f"expected {_short(first['expected'])}. Full report: validation_report.md in MLflow run {run_id}"
+            )
+    return {"run_id": run_id, "ok": True, "metrics": report.metrics()}

@@ -60,7 +60,10 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     data_dir: str = Field("data", description="Directory pinned by the DVC file.")
-    dvc_file: str = Field("data.dvc", description="DVC pin of data_dir; its md5 is the data version.")
+    dvc_file: str | None = Field(
+        "data.dvc", description="DVC pin of data_dir; its md5 is the data version. None: the data "
+        "version is the md5 of the train and eval files (data not under DVC, e.g. an OpenAI job)."
+    )
     train_file: str = Field("data/train.jsonl", description="Training items (OpenAI RFT JSONL).")
     eval_file: str = Field("data/eval.jsonl", description="Held-out evaluation items.")
     production_traffic_file: str = Field(
@@ -70,8 +73,9 @@ class DataConfig(Section):
     generator_seed: int = Field(0, description="Seed of the demo data generator (must match data.dvc).")
     max_train_items: int | None = Field(None, ge=1, description="Use only the first N training items.")
     max_eval_items: int | None = Field(None, ge=1, description="Use only the first N evaluation items.")
-    expectations_suite: str = Field(
-        "expectations/production_traffic.json", description="Great Expectations suite (JSON)."
+    expectations_suite: str | None = Field(
+        "expectations/production_traffic.json",
+        description="Great Expectations suite (JSON); None skips it (leakage and reference checks still run).",
     )
 
 
@@ -221,6 +225,10 @@ class ScheduleConfig(Section):
 
 class PipelineConfig(Section):
     name: str = Field("finqa-demo", description="Job name.")
+    work_dir: str = Field(
+        "runs", description="Where pipeline stages write outputs (rollouts, reports, checkpoints), "
+        "one folder per stage and cache key."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,13 +23,17 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from envs.finqa.generate import TICKERS
 from envs.finqa.local import local_tool_endpoints
+from tests.taught_model import (
+    GRADER,
+    OUTPUT_CHARS,
+    SYSTEM,
+    TOOLS,
+    copy_items,
+    teach_model,
+)
 from trainer.bootstrap import (
-    BootstrapSettings,
-    encode_conversation,
     read_items,
-    supervised_warm_start,
 )
 from trainer.config import config_from_dict
 from trainer.errors import ConfigError
@@ -43,20 +46,10 @@ from trainer.grpo import (
     train,
 )
 from trainer.metrics import read_jsonl
-from trainer.modeling import build_model, tiny_config
 from trainer.rollout import RolloutRecord, RolloutSettings, run_rollouts_async
-from trainer.tokenizer import build_tokenizer
 from trainer.tools import ToolClient, ToolEndpoint
 
 REPO = Path(__file__).resolve().parents[2]
-SYSTEM = "Answer with a number."
-TOOLS = [
-    {"type": "function", "function": {"name": name, "description": text, "parameters": {
-        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
-    for name, text in (("list", "List a directory."), ("cat", "Read a page."))
-]
-GRADER = {"type": "numeric", "name": "answer", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}
-OUTPUT_CHARS = 256
 NAMED_METRICS = [
     "train/reward_mean", "train/score_mean", "train/tool_calls_mean", "train/tool_calls_p95",
     "train/tokens_mean", "train/latency_s_mean", "train/infra_error_rate", "train/kl", "train/loss",
@@ -71,25 +64,6 @@ TRAINING = {
     "eval_samples": 2, "ppo_epochs": 2, "micro_batch_size": 8, "kl_coef": 0.05, "checkpoint_interval": 1,
     "seed": 3,
 }
-
-
-def _call(index: int, name: str, path: str) -> dict:
-    return {"id": f"call_{index}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps({"path": path}, separators=(",", ":"))}}
-
-
-async def _conversation(item: dict, turns: list, endpoints: list[ToolEndpoint]) -> list[dict]:
-    messages = [{"role": "system", "content": SYSTEM}, *item["messages"]]
-    async with ToolClient(endpoints, TOOLS, max_output_chars=OUTPUT_CHARS) as client:
-        for index, turn in enumerate(turns):
-            if isinstance(turn, str):
-                messages.append({"role": "assistant", "content": turn})
-                continue
-            call = _call(index, *turn)
-            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            result = await client.call(turn[0], call["function"]["arguments"], item=item, trace_id="trace_t", call_id=call["id"])
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result.output})
-    return messages
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -107,12 +81,8 @@ def world(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     """Two training items (also the eval items), their corpus pages, and the tool server."""
     root = tmp_path_factory.mktemp("grpo")
     items = read_items(demo_data_dir / "train.jsonl", 2)
-    for item in items:
-        year_dir = Path(item["gold_pages"][0]).parent
-        shutil.copytree(demo_data_dir / "corpus" / year_dir, root / "corpus" / year_dir, dirs_exist_ok=True)
-    lines = "".join(json.dumps(item) + "\n" for item in items)
-    (root / "train.jsonl").write_text(lines)
-    (root / "eval.jsonl").write_text(lines)
+    copy_items(demo_data_dir, items, root, "train.jsonl")
+    copy_items(demo_data_dir, items, root, "eval.jsonl")
     return root
 
 
@@ -124,30 +94,7 @@ def endpoints(world: Path):
 
 @pytest.fixture(scope="module")
 def taught_model(world: Path, endpoints: list[ToolEndpoint]) -> Path:
-    items = read_items(world / "train.jsonl")
-    conversations = []
-    for item in items:
-        page = item["gold_pages"][0]
-        answer = f"Answer: {item['reference_answer']}"
-        for turns in ([("list", str(Path(page).parent)), answer], [("cat", page), answer], ["Answer: 0"]):
-            conversations.append(asyncio.run(_conversation(item, turns, endpoints)))
-    texts = [json.dumps(c) for c in conversations] + [p.read_text() for p in sorted((world / "corpus").rglob("*.txt"))]
-    tokenizer = build_tokenizer(texts, vocab_size=600, extra_tokens=TICKERS)
-    examples = [encode_conversation(tokenizer, c, TOOLS, number_weight=3.0) for c in conversations]
-    model = build_model(
-        tiny_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id),
-        seed=0,
-    )
-    total = sum(len(ids) for ids, _ in examples)
-    settings = BootstrapSettings(
-        train_tokens=total * 120, tokens_per_batch=total * 2, learning_rate=1e-2, warmup_steps=5, seed=0, max_minutes=4
-    )
-    supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
-    path = world / "model"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return teach_model([world / "train.jsonl"], world / "corpus", endpoints, world / "model")
 
 
 def micro_config(world: Path, endpoints: list[ToolEndpoint], **training):

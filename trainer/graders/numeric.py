@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainer.graders.config import NumericGrader
@@ -53,7 +53,7 @@ _NUMBER = re.compile(
     r"""
     (?<![\w.])                                  # not glued to a word or another number
     (?P<open>\(\s*)?                            # (12.5): an accounting negative
-    (?P<sign>[-−–+])?\s*
+    (?P<sign>[-−–+±])?\s*
     [$€£¥]?\s*
     (?P<sign2>[-−])?
     (?P<digits>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)
@@ -153,14 +153,17 @@ def distinct_numbers(text: str) -> list[ParsedNumber]:
     """The numbers in `text`, one per distinct (value, percent) pair, in order."""
     found: list[ParsedNumber] = []
     for match in _NUMBER.finditer(text):
-        number = _parse_match(match)
-        duplicate = any(
-            other.percent == number.percent
-            and math.isclose(other.scaled, number.scaled, rel_tol=_EPSILON, abs_tol=_EPSILON)
-            for other in found
-        )
-        if not duplicate:
-            found.append(number)
+        first = _parse_match(match)
+        # "±5" states two numbers, 5 and -5: an answer hedged that way is not one answer.
+        both = [first, replace(first, value=-first.value)] if match["sign"] == "±" and first.value else [first]
+        for number in both:
+            duplicate = any(
+                other.percent == number.percent
+                and math.isclose(other.scaled, number.scaled, rel_tol=_EPSILON, abs_tol=_EPSILON)
+                for other in found
+            )
+            if not duplicate:
+                found.append(number)
     return found
 
 
@@ -168,7 +171,8 @@ def _parse_match(match: re.Match[str]) -> ParsedNumber:
     value = float(match["digits"].replace(",", ""))
     if match["exponent"]:
         value *= 10.0 ** int(match["exponent"])
-    negative = (match["sign"] in ("-", "−", "–")) or bool(match["sign2"])
+    # "--5" is a double negative; "±5" is handled by `distinct_numbers` (two numbers).
+    negative = (match["sign"] in ("-", "−", "–")) != bool(match["sign2"])
     if match["open"] and match["close"]:
         negative = True
     multiplier = _MULTIPLIERS[match["multiplier"].lower()] if match["multiplier"] else 1.0

@@ -1,0 +1,109 @@
+"""Serving the pipeline: scheduled deployments, work pools, and the two UIs.
+
+- `serve_deployments(config)`: the pipeline as a deployment with the config's cron
+  (default nightly) and its parameters as defaults, plus the hand-driven promote/rollback
+  flow, served from this process (`agentrft serve`). Both carry typed parameters, so the
+  Prefect UI's "Run > Custom run" shows the config sections as a form.
+- `deploy_to_work_pool(config, pool)`: the same deployments registered on a Prefect work
+  pool (`agentrft deploy --work-pool NAME`), for workers on other machines; the flow code is
+  loaded from this checkout's directory (`flow.from_source`), so process workers that share
+  it (or a Docker/Kubernetes image that contains it) run the same code.
+- `start_uis()`: a Prefect server and the MLflow UI on loopback with SQLite stores
+  (`agentrft ui`), printing both URLs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flows.pipeline import agent_rft_pipeline, pipeline_parameters, promote_model
+from tasks.tracking import resolve_tracking_uri
+from trainer.config import PipelineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE_DEPLOYMENT = "scheduled"
+PROMOTE_DEPLOYMENT = "by-hand"
+
+
+def _schedules(config: PipelineConfig) -> list[Any]:
+    from prefect.schedules import Cron
+
+    return [Cron(config.schedule.cron, timezone=config.schedule.timezone)]
+
+
+def _parameters(config: PipelineConfig) -> dict[str, Any]:
+    params = pipeline_parameters(config)
+    params["mlflow"]["tracking_uri"] = resolve_tracking_uri(config.mlflow.tracking_uri)
+    return params
+
+
+def build_deployments(config: PipelineConfig, *, schedule: bool = True) -> list[Any]:
+    """The pipeline deployment (cron from the config) and the promote/rollback deployment."""
+    pipeline = agent_rft_pipeline.to_deployment(
+        name=PIPELINE_DEPLOYMENT,
+        parameters=_parameters(config),
+        schedules=_schedules(config) if schedule else None,
+        description=f"Agent RFT pipeline for {config.name}; cron {config.schedule.cron} ({config.schedule.timezone}).",
+        tags=["agent-rft"],
+    )
+    promote = promote_model.to_deployment(
+        name=PROMOTE_DEPLOYMENT,
+        parameters={"name": config.promotion.registered_model,
+                    "tracking_uri": resolve_tracking_uri(config.mlflow.tracking_uri)},
+        description="Promote a registered model version to champion, or roll champion back.",
+        tags=["agent-rft"],
+    )
+    return [pipeline, promote]
+
+
+def serve_deployments(config: PipelineConfig) -> None:
+    """Serve both deployments from this process until interrupted."""
+    from prefect import serve
+
+    serve(*build_deployments(config))
+
+
+def deploy_to_work_pool(config: PipelineConfig, pool: str, *, schedule: bool = True) -> list[str]:
+    """Register both deployments on `pool`; returns their ids."""
+    from prefect import flow
+
+    ids = []
+    for entrypoint, name, params, schedules in (
+        ("flows/pipeline.py:agent_rft_pipeline", PIPELINE_DEPLOYMENT, _parameters(config),
+         _schedules(config) if schedule else None),
+        ("flows/pipeline.py:promote_model", PROMOTE_DEPLOYMENT,
+         {"name": config.promotion.registered_model, "tracking_uri": resolve_tracking_uri(config.mlflow.tracking_uri)},
+         None),
+    ):
+        remote = flow.from_source(source=str(ROOT), entrypoint=entrypoint)
+        ids.append(str(remote.deploy(name=name, work_pool_name=pool, parameters=params, schedules=schedules,
+                                     tags=["agent-rft"], build=False, push=False, print_next_steps=False)))
+    return ids
+
+
+def start_uis(tracking_uri: str, *, prefect_port: int = 4200, mlflow_port: int = 5000) -> None:
+    """Start the Prefect server and the MLflow UI on loopback; wait until interrupted."""
+    processes = [
+        subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                          "--port", str(prefect_port)]),
+        subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                          resolve_tracking_uri(tracking_uri), "--host", "127.0.0.1", "--port", str(mlflow_port),
+                          "--workers", "1"]),
+    ]
+    print(f"Prefect UI: http://127.0.0.1:{prefect_port}  (point runs at it: "
+          f"export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api)")
+    print(f"MLflow UI:  http://127.0.0.1:{mlflow_port}")
+    try:
+        while all(p.poll() is None for p in processes):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in processes:
+            p.terminate()
+        for p in processes:
+            p.wait(timeout=30)

@@ -1,0 +1,233 @@
+"""How the pipeline records itself in MLflow (and mirrors a summary to Prefect).
+
+One parent run per pipeline run; one nested run per stage, named as in DESIGN.md. Every
+run carries the same tags (git commit, data md5, config hash, Prefect flow-run id and UI
+URL) and the config flattened as params. Everything goes through `MlflowClient` with the
+run id named explicitly: MLflow's fluent "active run" is per thread, and Prefect runs
+tasks on other threads, so ids travel as plain strings in a `RunContext`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.config import PipelineConfig
+from trainer.errors import AgentRFTError
+
+_PARAM_BATCH = 100  # MLflow takes at most 100 params per log_batch call
+_METRIC_BATCH = 1000
+
+
+def resolve_tracking_uri(uri: str) -> str:
+    """`sqlite:///relative.db` made absolute, so subprocesses and later runs in other
+    directories use the same store (and the same cache keys)."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What every stage needs to record into the pipeline's MLflow runs."""
+
+    tracking_uri: str
+    experiment_id: str
+    parent_run_id: str
+    data_md5: str
+    config_hash: str
+    git_commit: str
+    flow_run_id: str
+    flow_run_url: str
+    mlflow_ui_url: str
+
+    def client(self) -> Any:
+        from mlflow import MlflowClient
+
+        return MlflowClient(tracking_uri=self.tracking_uri)
+
+    def tags(self) -> dict[str, str]:
+        return {
+            "git_commit": self.git_commit,
+            "data_md5": self.data_md5,
+            "config_hash": self.config_hash,
+            "prefect_flow_run_id": self.flow_run_id,
+            "prefect_flow_run_url": self.flow_run_url,
+        }
+
+    def run_url(self, run_id: str) -> str:
+        return f"{self.mlflow_ui_url.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
+
+    def to_json(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def _prefect_run() -> tuple[str, str]:
+    from prefect.runtime import flow_run
+
+    return str(flow_run.id or ""), str(flow_run.ui_url or "")
+
+
+def open_pipeline_run(config: PipelineConfig, *, data_md5: str, git_commit: str) -> RunContext:
+    """Create the parent run (experiment on first use), tagged and with the config as params."""
+    from mlflow import MlflowClient
+
+    tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name(config.mlflow.experiment)
+    experiment_id = (
+        experiment.experiment_id if experiment else client.create_experiment(config.mlflow.experiment)
+    )
+    flow_run_id, flow_run_url = _prefect_run()
+    partial = RunContext(
+        tracking_uri=tracking_uri,
+        experiment_id=experiment_id,
+        parent_run_id="",
+        data_md5=data_md5,
+        config_hash=config.section_hash(),
+        git_commit=git_commit,
+        flow_run_id=flow_run_id,
+        flow_run_url=flow_run_url,
+        mlflow_ui_url=os.environ.get("AGENTRFT_MLFLOW_UI_URL", "http://127.0.0.1:5000"),
+    )
+    run = client.create_run(experiment_id, run_name=config.name, tags={**partial.tags(), "stage": "pipeline"})
+    _log_params(client, run.info.run_id, config)
+    return RunContext(**{**partial.to_json(), "parent_run_id": run.info.run_id})
+
+
+def close_pipeline_run(ctx: RunContext, *, status: str, outcome: dict[str, Any]) -> None:
+    """End the parent run with its outcome (FINISHED or FAILED) and a summary artifact."""
+    client = ctx.client()
+    for key in ("outcome", "reason", "stopped_at"):
+        if outcome.get(key):
+            client.set_tag(ctx.parent_run_id, key, str(outcome[key])[:5000])
+    client.log_dict(ctx.parent_run_id, outcome, "pipeline_outcome.json")
+    client.set_terminated(ctx.parent_run_id, status=status)
+
+
+def _log_params(client: Any, run_id: str, config: PipelineConfig) -> None:
+    from mlflow.entities import Param
+
+    # MLflow caps a param value at 6000 characters; long prompts are cut, visibly.
+    params = [
+        Param(key, value if len(value) <= 6000 else value[:5980] + "...[cut]")
+        for key, value in config.flat_params().items()
+    ]
+    for start in range(0, len(params), _PARAM_BATCH):
+        client.log_batch(run_id, params=params[start : start + _PARAM_BATCH])
+
+
+def log_metrics(client: Any, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    """Finite metrics only (infinite KL divergences and the like stay in the JSON reports)."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [
+        Metric(key, float(value), now, step)
+        for key, value in metrics.items()
+        if isinstance(value, int | float) and math.isfinite(value)
+    ]
+    for start in range(0, len(batch), _METRIC_BATCH):
+        client.log_batch(run_id, metrics=batch[start : start + _METRIC_BATCH])
+
+
+def log_datasets(ctx: RunContext, run_id: str, files: dict[str, Path]) -> None:
+    """Log data files as MLflow dataset inputs whose digest is the DVC md5 of the data."""
+    import pandas as pd
+    from mlflow.data.pandas_dataset import from_pandas
+    from mlflow.entities import DatasetInput, InputTag
+
+    inputs = []
+    for context, path in files.items():
+        frame = pd.read_json(path, lines=True, dtype=False)
+        keep = [c for c in frame.columns if c in ("id", "question", "reference_answer", "category")]
+        dataset = from_pandas(frame[keep], source=str(Path(path).resolve()), name=Path(path).name, digest=ctx.data_md5[:36])
+        inputs.append(
+            DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
+        )
+    ctx.client().log_inputs(run_id, datasets=inputs)
+
+
+@contextmanager
+def stage_run(ctx: RunContext, stage: str, config: PipelineConfig) -> Iterator[tuple[Any, str]]:
+    """A nested run for one stage: tagged, with params; FAILED with the error if it raises."""
+    client = ctx.client()
+    run = client.create_run(
+        ctx.experiment_id,
+        run_name=stage,
+        tags={**ctx.tags(), "mlflow.parentRunId": ctx.parent_run_id, "stage": stage},
+    )
+    run_id = run.info.run_id
+    _log_params(client, run_id, config)
+    try:
+        yield client, run_id
+    except BaseException as exc:
+        message = str(exc) if isinstance(exc, AgentRFTError) else traceback.format_exc()
+        client.set_tag(run_id, "error", message[:5000])
+        client.set_terminated(run_id, status="FAILED")
+        raise
+    client.set_terminated(run_id, status="FINISHED")
+
+
+def log_text(client: Any, run_id: str, text: str, artifact_file: str) -> None:
+    client.log_text(run_id, text, artifact_file)
+
+
+def log_json(client: Any, run_id: str, value: Any, artifact_file: str) -> None:
+    client.log_text(run_id, json.dumps(value, indent=2, default=str), artifact_file)
+
+
+def log_files(client: Any, run_id: str, files: list[Path], artifact_path: str) -> None:
+    for path in files:
+        client.log_artifact(run_id, str(path), artifact_path)
+
+
+def publish_summary(ctx: RunContext, stage: str, run_id: str, markdown: str) -> None:
+    """A Prefect markdown artifact for the stage, with the link to its MLflow run."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        return  # called outside a flow (a notebook, a unit test): nothing to attach it to
+    link = f"\n\nMLflow run: [{run_id}]({ctx.run_url(run_id)})\n"
+    create_markdown_artifact(
+        key=stage.replace("_", "-"), markdown=markdown + link, description=f"{stage} summary"
+    )
+
+
+def log_transformers_model(ctx: RunContext, run_id: str, model_dir: Path, name: str, *, step: int = 0) -> str:
+    """Log a saved transformers model (weights, tokenizer, chat template) to `run_id` as
+    an MLflow model; returns its `models:/` URI."""
+    import mlflow
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    mlflow.set_tracking_uri(ctx.tracking_uri)
+    # The run is named explicitly and ended at once: the fluent run is this thread's only.
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.transformers.log_model(
+            transformers_model={"model": model, "tokenizer": tokenizer},
+            task="text-generation",
+            name=name,
+            step=step,
+            # Naming the requirements skips MLflow's import-based inference (slow, and it
+            # trips on optional packages that are not installed).
+            pip_requirements=_model_requirements(),
+        )
+    return info.model_uri
+
+
+def _model_requirements() -> list[str]:
+    from importlib.metadata import version
+
+    return [f"{package}=={version(package)}" for package in ("torch", "transformers", "accelerate")]

@@ -1,0 +1,97 @@
+"""Deployments against a real Prefect server (the test harness): the served pipeline is
+started with `run_deployment` and custom parameters, as the UI's "Custom run" does, and a
+process worker on a work pool picks up and completes a run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.flows.conftest import micro
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(world: Path) -> dict[str, str]:
+    from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH
+
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+            "PREFECT_LOCAL_STORAGE_PATH": str(PREFECT_LOCAL_STORAGE_PATH.value())}
+
+
+def _wait_for_deployment(name: str, process: subprocess.Popen, timeout: float = 180):
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            assert process.poll() is None, "the serving process exited"
+            try:
+                return client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                time.sleep(1)
+    raise AssertionError(f"deployment {name} did not appear")
+
+
+def _custom_parameters(deployment, **sections) -> dict:
+    params = dict(deployment.parameters)
+    for section, values in sections.items():
+        params[section] = {**params[section], **values}
+    return params
+
+
+def test_served_deployment_runs_with_custom_parameters(harness, world, endpoints, taught_model):
+    from prefect.deployments import run_deployment
+
+    config_file = world / "served.yaml"
+    config_file.write_text(yaml.safe_dump(micro(world, endpoints, taught_model).model_dump(mode="json")))
+    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--config", str(config_file)],
+                              cwd=REPO, env=_env(world), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deployment = _wait_for_deployment("agent-rft-pipeline/scheduled", server)
+        assert [s.schedule.cron for s in deployment.schedules] == ["0 2 * * *"]
+        assert "prompt_optimization" in deployment.parameter_openapi_schema["properties"]
+        # A custom run from the form: a target the base model already reaches ends the run
+        # before training ("RFT not needed").
+        params = _custom_parameters(deployment, prompt_optimization={"target_score": 0.0})
+        run = run_deployment("agent-rft-pipeline/scheduled", parameters=params, timeout=900)
+        assert run.state.is_completed(), run.state
+        _wait_for_deployment("promote-model/by-hand", server)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        result = client.read_flow_run(run.id)
+    assert result.parameters["prompt_optimization"]["target_score"] == 0.0
+
+
+def test_work_pool_worker_runs_a_deployment(harness, world, endpoints, taught_model):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.deployments import run_deployment
+
+    from flows.serve import deploy_to_work_pool
+
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name="cpu-pool", type="process"))
+    config = micro(world, endpoints, taught_model, prompt_optimization={"target_score": 0.0})
+    deploy_to_work_pool(config, "cpu-pool", schedule=False)
+    worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "cpu-pool",
+                               "--type", "process"], cwd=REPO, env=_env(world),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        run = run_deployment("agent-rft-pipeline/scheduled", timeout=900)
+        assert run.state.is_completed(), run.state
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)

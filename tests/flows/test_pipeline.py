@@ -1,0 +1,151 @@
+"""The pipeline end to end on a micro preset, under Prefect's test harness (a real API
+server) with MLflow on a temporary SQLite store and the real tool server on loopback.
+
+A tiny taught model, two training and two evaluation items, two GRPO steps in an
+`accelerate launch`ed subprocess. The first run promotes (its learning rate is so small
+that the candidate equals the base model: the gain is exactly 0, above the test's gate of
+-0.01); the unchanged second run is served from cache; a run whose training destroys the
+model registers it as challenger but never as champion; a rollback moves champion back; a
+drifted dataset stops at validation and a failed baseline gate stops at the baseline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from envs.finqa.generate import generate_dataset
+from tests.flows.conftest import micro, pin
+
+pytestmark = pytest.mark.integration
+
+STAGE_NAMES = ["validate_data", "baseline", "prompt_optimization", "rft_training", "regression_eval", "promotion"]
+
+
+def _stage_runs(client: MlflowClient, parent_run_id: str) -> dict:
+    runs = client.search_runs(
+        [client.get_run(parent_run_id).info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
+    )
+    return {run.info.run_name: run for run in runs}
+
+
+@pytest.fixture(scope="module")
+def first_run(harness, world, endpoints, taught_model):
+    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
+
+    config = micro(world, endpoints, taught_model)
+    outcome = agent_rft_pipeline(**pipeline_parameters(config))
+    return config, outcome
+
+
+def test_first_run_records_six_stages_and_promotes(first_run):
+    config, outcome = first_run
+    client = MlflowClient(config.mlflow.tracking_uri)
+    assert outcome["outcome"] == "promoted", outcome
+    stages = _stage_runs(client, outcome["parent_run_id"])
+    assert sorted(stages) == sorted(STAGE_NAMES)
+    parent = client.get_run(outcome["parent_run_id"])
+    for run in [parent, *stages.values()]:
+        tags = run.data.tags
+        assert tags["data_md5"] == yaml.safe_load(Path(config.data.dvc_file).read_text())["outs"][0]["md5"].removesuffix(".dir")
+        assert tags["git_commit"] and tags["config_hash"] == config.section_hash()
+        assert tags["prefect_flow_run_id"] and tags["prefect_flow_run_url"]
+        assert run.data.params["training.learning_rate"] == "1e-12"
+        assert run.info.status == "FINISHED"
+    baseline = stages["baseline"].data.metrics
+    assert baseline["baseline/rollouts"] == 4 and 0 <= baseline["baseline/score_mean"] <= 1
+    assert baseline["baseline/best_of_k_mean"] >= baseline["baseline/score_mean"]
+    training = client.get_metric_history(stages["rft_training"].info.run_id, "train/reward_mean")
+    assert sorted(m.step for m in training) == [1, 2]
+    assert stages["regression_eval"].data.metrics["regression/gain"] == 0.0
+    inputs = {d.dataset.name: d.dataset.digest for d in stages["validate_data"].inputs.dataset_inputs}
+    assert set(inputs) == {"train.jsonl", "eval.jsonl"} and len(set(inputs.values())) == 1
+    for stage, artifact in (("validate_data", "validation_report.md"), ("baseline", "per_item_spread.png"),
+                            ("prompt_optimization", "variants.md"), ("regression_eval", "regression_report.md"),
+                            ("regression_eval", "reward_hacking_probes.json"), ("promotion", "promotion.json")):
+        assert artifact in {a.path for a in client.list_artifacts(stages[stage].info.run_id)}, (stage, artifact)
+
+    version = client.get_model_version_by_alias("micro-agent", "champion")
+    assert str(version.version) == outcome["version"] == "1"
+    assert str(client.get_model_version_by_alias("micro-agent", "challenger").version) == "1"
+    assert version.tags["pipeline_run_id"] == outcome["parent_run_id"]
+    assert version.tags["data_md5"] == parent.data.tags["data_md5"]
+    assert version.tags["gates_passed"] == "true"
+
+
+def test_unchanged_second_run_is_served_from_cache(first_run, world, endpoints, taught_model):
+    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
+
+    config, first = first_run
+    again = agent_rft_pipeline(**pipeline_parameters(config))
+    assert all(stage["cached"] for stage in again["stages"].values()), again["stages"]
+    assert [s["run_id"] for s in again["stages"].values()] == [s["run_id"] for s in first["stages"].values()]
+    client = MlflowClient(config.mlflow.tracking_uri)
+    assert _stage_runs(client, again["parent_run_id"]) == {}
+    assert client.get_run(again["parent_run_id"]).data.tags["stage.rft_training.cached"] == "true"
+    assert len(client.search_model_versions("name = 'micro-agent'")) == 1
+
+
+def test_worse_candidate_is_never_champion_and_rollback_works(first_run, world, endpoints, taught_model):
+    from flows.pipeline import agent_rft_pipeline, pipeline_parameters, promote_model
+
+    config, first = first_run
+    worse = micro(world, endpoints, taught_model, training={"learning_rate": 3.0, "ppo_epochs": 4})
+    outcome = agent_rft_pipeline(**pipeline_parameters(worse))
+    cached = {name for name, stage in outcome["stages"].items() if stage["cached"]}
+    assert cached == {"validate_data", "baseline", "prompt_optimization"}
+    assert outcome["outcome"] == "not_promoted", outcome
+    client = MlflowClient(config.mlflow.tracking_uri)
+    assert str(client.get_model_version_by_alias("micro-agent", "champion").version) == "1"
+    assert str(client.get_model_version_by_alias("micro-agent", "challenger").version) == "2"
+    assert client.get_model_version("micro-agent", "2").tags["not_promoted_reason"]
+
+    # by hand: promote the challenger, then roll back to the previous champion
+    promoted = promote_model(name="micro-agent", version_or_alias="challenger", action="promote",
+                             tracking_uri=config.mlflow.tracking_uri)
+    assert promoted == {"action": "promote", "champion": "2", "previous_champion": "1"}
+    rolled = promote_model(name="micro-agent", version_or_alias="", action="rollback",
+                           tracking_uri=config.mlflow.tracking_uri)
+    assert rolled == {"action": "rollback", "champion": "1", "rolled_back_from": "2"}
+    assert str(client.get_model_version_by_alias("micro-agent", "champion").version) == "1"
+
+
+def test_drifted_data_stops_at_validation(harness, world, endpoints, taught_model):
+    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
+
+    drifted = world / "drifted"
+    generate_dataset(drifted, seed=0, drift=True)
+    pin(drifted, world / "drifted.dvc")
+    config = micro(world, endpoints, taught_model, data={
+        "data_dir": str(drifted), "dvc_file": str(world / "drifted.dvc"), "train_file": str(drifted / "train.jsonl"),
+        "eval_file": str(drifted / "eval.jsonl")})
+    state = agent_rft_pipeline(**pipeline_parameters(config), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match="validate_data: .* failed checks"):
+        state.result()
+    client = MlflowClient(config.mlflow.tracking_uri)
+    parent = client.search_runs([client.get_experiment_by_name("micro").experiment_id],
+                                filter_string="tags.stopped_at = 'validate_data'")[0]
+    assert parent.info.status == "FAILED"
+    stages = _stage_runs(client, parent.info.run_id)
+    assert list(stages) == ["validate_data"] and stages["validate_data"].info.status == "FAILED"
+    report = client.download_artifacts(stages["validate_data"].info.run_id, "validation_report.md")
+    assert "expect_column_kl_divergence" in Path(report).read_text().lower().replace("kldivergence", "kl_divergence")
+
+
+def test_failed_baseline_gate_stops_with_its_reason(harness, world, endpoints, taught_model):
+    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
+
+    config = micro(world, endpoints, taught_model, baseline={"k": 2, "min_nonzero_share": 1.0, "min_headroom": 0.9})
+    state = agent_rft_pipeline(**pipeline_parameters(config), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match="baseline gate failed: .*headroom|baseline gate failed: .*GRPO"):
+        state.result()
+    client = MlflowClient(config.mlflow.tracking_uri)
+    parent = client.search_runs([client.get_experiment_by_name("micro").experiment_id],
+                                filter_string="tags.stopped_at = 'baseline'")[0]
+    assert sorted(_stage_runs(client, parent.info.run_id)) == ["baseline"]  # validation came from cache

@@ -1,0 +1,92 @@
+"""A tiny model taught scripted tool-use conversations, for tests that need a policy that
+sometimes answers right (GRPO, the pipeline).
+
+`teach_model` runs the demo's supervised warm start on three conversations per item:
+list the year's directory then answer right, read the page then answer right, or answer
+"0" at once. Sampled at temperature 1 the model mixes them, so rewards vary within a group.
+Two short tool schemas and 256-character tool outputs keep rollouts under ~400 tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+from envs.finqa.generate import TICKERS
+from trainer.bootstrap import (
+    BootstrapSettings,
+    encode_conversation,
+    read_items,
+    supervised_warm_start,
+)
+from trainer.modeling import build_model, tiny_config
+from trainer.tokenizer import build_tokenizer
+from trainer.tools import ToolClient, ToolEndpoint
+
+SYSTEM = "Answer with a number."
+TOOLS = [
+    {"type": "function", "function": {"name": name, "description": text, "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+    for name, text in (("list", "List a directory."), ("cat", "Read a page."))
+]
+GRADER = {"type": "numeric", "name": "answer", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}
+OUTPUT_CHARS = 256
+
+
+def copy_items(demo_data_dir: Path, items: list[dict], root: Path, name: str) -> Path:
+    """Write `items` as `root/name` and copy their corpus years under `root/corpus`."""
+    for item in items:
+        year_dir = Path(item["gold_pages"][0]).parent
+        shutil.copytree(demo_data_dir / "corpus" / year_dir, root / "corpus" / year_dir, dirs_exist_ok=True)
+    path = root / name
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+    return path
+
+
+def _call(index: int, name: str, path: str) -> dict:
+    return {"id": f"call_{index}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps({"path": path}, separators=(",", ":"))}}
+
+
+async def conversation(item: dict, turns: list, endpoints: list[ToolEndpoint]) -> list[dict]:
+    """Play `turns` (tool calls as (name, path), answers as text) against the real tools."""
+    messages = [{"role": "system", "content": SYSTEM}, *item["messages"]]
+    async with ToolClient(endpoints, TOOLS, max_output_chars=OUTPUT_CHARS) as client:
+        for index, turn in enumerate(turns):
+            if isinstance(turn, str):
+                messages.append({"role": "assistant", "content": turn})
+                continue
+            call = _call(index, *turn)
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            result = await client.call(turn[0], call["function"]["arguments"], item=item, trace_id="trace_t", call_id=call["id"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result.output})
+    return messages
+
+
+def teach_model(items_files: list[Path], corpus_dir: Path, endpoints: list[ToolEndpoint], out: Path) -> Path:
+    """Teach a tiny Qwen3 the three scripted answers of every item; save it to `out`."""
+    items = [item for path in items_files for item in read_items(path)]
+    conversations = []
+    for item in items:
+        page = item["gold_pages"][0]
+        answer = f"Answer: {item['reference_answer']}"
+        for turns in ([("list", str(Path(page).parent)), answer], [("cat", page), answer], ["Answer: 0"]):
+            conversations.append(asyncio.run(conversation(item, turns, endpoints)))
+    texts = [json.dumps(c) for c in conversations] + [p.read_text() for p in sorted(corpus_dir.rglob("*.txt"))]
+    tokenizer = build_tokenizer(texts, vocab_size=600, extra_tokens=TICKERS)
+    examples = [encode_conversation(tokenizer, c, TOOLS, number_weight=3.0) for c in conversations]
+    model = build_model(
+        tiny_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id),
+        seed=0,
+    )
+    total = sum(len(ids) for ids, _ in examples)
+    settings = BootstrapSettings(
+        train_tokens=total * 120, tokens_per_batch=total * 2, learning_rate=1e-2, warmup_steps=5, seed=0, max_minutes=4
+    )
+    supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
