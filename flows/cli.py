@@ -126,7 +126,11 @@ def _eval(args: argparse.Namespace) -> int:
     from trainer.rollout import RolloutSettings
 
     config = load_config(args.config)
-    model = args.model or resolve_base_model(config)
+    from tasks.tracking import resolve_tracking_uri
+    from trainer.model_server import resolve_model_uri
+
+    model = resolve_model_uri(args.model or resolve_base_model(config),
+                              tracking_uri=resolve_tracking_uri(config.mlflow.tracking_uri))
     policy = load_policy(model, device=config.model.device, dtype=config.model.dtype)
     items = read_items(Path(config.data.eval_file), args.max_items or config.baseline.max_items)
     settings = RolloutSettings.from_config(config.rollout, config.penalties)

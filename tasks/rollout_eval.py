@@ -89,10 +89,12 @@ def evaluate_model(
     config: PipelineConfig, model: str, items: list[dict[str, Any]], *, k: int, seed: int, prefix: str
 ) -> tuple[EvalSummary, list[RolloutRecord]]:
     """k rollouts per item of `model` under `config`, graded and summarised (`prefix/...`)."""
+    from tasks.tracking import resolve_tracking_uri
     from trainer.model_server import resolve_model_uri
     from trainer.policy import load_policy
 
-    policy = load_policy(resolve_model_uri(model), device=config.model.device, dtype=config.model.dtype)
+    local = resolve_model_uri(model, tracking_uri=resolve_tracking_uri(config.mlflow.tracking_uri))
+    policy = load_policy(local, device=config.model.device, dtype=config.model.dtype)
     backend = policy.backend(
         max_slots=config.rollout.max_concurrent_rollouts, max_len=config.rollout.max_total_tokens, seed=seed
     )

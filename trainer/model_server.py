@@ -45,14 +45,25 @@ class ChatRequest(BaseModel):
     stream: bool = False
 
 
-def resolve_model_uri(uri: str, *, cache_dir: Path | None = None) -> str:
-    """A local directory for `models:/...` URIs (downloaded from the MLflow registry);
-    other values are returned as they are (a path or a hub id)."""
+def resolve_model_uri(uri: str, *, cache_dir: Path | None = None, tracking_uri: str | None = None) -> str:
+    """A local directory for `models:/...` URIs (downloaded from the MLflow registry at
+    `tracking_uri`, default MLflow's own); other values are returned as they are (a path or
+    a hub id). The transformers flavour keeps the tokenizer apart from the weights; it is
+    copied next to them so the directory loads with the Auto classes."""
     if not uri.startswith("models:/"):
         return uri
+    import hashlib
+    import shutil
+
     import mlflow
 
-    target = Path(cache_dir or Path.home() / ".cache/agentrft/models") / uri.replace(":/", "_").replace("/", "_").replace("@", "_")
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+        mlflow.set_registry_uri(tracking_uri)
+    # Aliases move and registries differ: one folder per (store, uri), fetched afresh.
+    key = hashlib.sha256(f"{mlflow.get_tracking_uri()}|{uri}".encode()).hexdigest()[:16]
+    target = Path(cache_dir or Path.home() / ".cache/agentrft/models") / key
+    shutil.rmtree(target, ignore_errors=True)
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(target)))
     except Exception as exc:  # MLflow raises its own exception types for unknown models
@@ -60,7 +71,13 @@ def resolve_model_uri(uri: str, *, cache_dir: Path | None = None) -> str:
     configs = sorted(local.rglob("config.json"), key=lambda p: len(p.parts))
     if not configs:
         raise ConfigError(f"model {uri!r} holds no transformers model (no config.json under {local})")
-    return str(configs[0].parent)
+    model_dir = configs[0].parent
+    tokenizer_dir = local / "components" / "tokenizer"
+    if tokenizer_dir.is_dir():
+        for file in tokenizer_dir.iterdir():
+            if file.is_file() and not (model_dir / file.name).exists():
+                shutil.copy2(file, model_dir / file.name)
+    return str(model_dir)
 
 
 class EngineService:

@@ -34,7 +34,7 @@ def job_body(world: Path, endpoints, model: str | None = None) -> dict:
         "suffix": "openai-job",
         "seed": 7,
         "method": {"type": "reinforcement", "reinforcement": {
-            "grader": MULTI_GRADER,
+            "grader": json.loads(json.dumps(MULTI_GRADER)),  # a copy: tests mutate it
             "hyperparameters": {"n_epochs": 2, "batch_size": 2, "learning_rate_multiplier": 1e-7,
                                 "compute_multiplier": 0.5, "eval_interval": 2, "eval_samples": 2,
                                 "reasoning_effort": "low"},
