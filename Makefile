@@ -32,4 +32,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) mlruns mlflow.db .prefect-home .pytest_cache
+	rm -rf $(VENV) mlruns mlflow.db .prefect-home .pytest_cache runs .cache/models
