@@ -7,15 +7,17 @@ Each sequence: a prompt, then turns of `--gen-tokens` generated tokens, each fol
 Prints tokens/s of both, the time of 8 turns over 4 turns (about 2 when a turn costs the same
 whatever came before), and peak memory.
 
-    .venv/bin/python benchmarks/bench_engine.py [--sequences 64] [--tool-latency-ms 0]
+    .venv/bin/python benchmarks/bench_engine.py [--sequences 64] [--tool-latency-ms 0] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import resource
 import time
+from pathlib import Path
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -124,6 +126,7 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (1: steady on a shared machine)"
     )
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -164,6 +167,17 @@ def main() -> None:
         f"with {args.sequences} concurrent sequences; KV cache {engine[8][2] / 2**20:.1f} MiB "
         f"at 8 turns; parameters {param_bytes / 2**20:.1f} MiB"
     )
+    if args.json:
+        runs = {f"{name}_{n}_turns": {"seconds": run[0], "tokens": run[1], "tokens_per_s": rate(run)}
+                for name, group in (("engine", engine), ("reference", reference)) for n, run in group.items()}
+        figures = {
+            "engine_8_over_4_turns_time": engine[8][0] / engine[4][0],
+            "reference_8_over_4_turns_time": reference[8][0] / reference[4][0],
+            "engine_over_reference_tokens_per_s": rate(engine[8]) / rate(reference[8]),
+            "peak_rss_mib": engine_peak, "kv_cache_mib_8_turns": engine[8][2] / 2**20,
+            "params_mib": param_bytes / 2**20, "sequences": args.sequences, "threads": args.threads,
+        }
+        args.json.write_text(json.dumps({"runs": runs, "figures": figures}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
