@@ -13,7 +13,9 @@ against what production actually sends, before any GPU time is spent. Three chec
 2. Leakage: no id and no normalised question is shared between train and eval, or the
    evaluation measures memory instead of skill.
 3. Every reference answer works with the configured grader: a reference the grader cannot
-   parse would turn every rollout of that item into a grader error.
+   parse would turn every rollout of that item into a grader error. Likewise every row must
+   be one a rollout can start from (well-formed messages, valid own tool schemas, small
+   enough for a tool request): the tool client would refuse it mid-training.
 
 `validate_splits` runs all three and returns a `StageReport` whose failures name the
 expectation, the column, the observed and expected values and sample rows (id, line,
@@ -52,6 +54,7 @@ from trainer.errors import DataError
 from trainer.graders import grade, sample_from_text, validate_grader
 from trainer.graders.result import GraderError
 from trainer.graders.templates import lookup_variable, template_variables
+from trainer.tools import tool_validators
 
 # Fields only production has: the datasets are not expected to carry them.
 PRODUCTION_ONLY_FIELDS = ("timestamp",)
@@ -100,6 +103,9 @@ DISTRIBUTION_EXPECTATIONS = (
 # reference_parse_error). Every other grader type gets its `{{item.*}}` variables checked
 # per row instead of being run: judges and endpoints would cost a request per row.
 REFERENCE_PARSING_GRADERS = ("numeric",)
+# Every tool request carries the whole row (`item`) and is capped at 1 MB (OpenAI's limit,
+# the tool client's max_body_bytes); 64 kB stay free for the call's arguments and envelope.
+MAX_ROW_BYTES = 1_000_000 - 64 * 1024
 
 
 # --- reading --------------------------------------------------------------------------
@@ -167,8 +173,10 @@ def derive_suite(traffic_path: Path, *, name: str = "production_traffic") -> dic
     fields = list(dict.fromkeys(key for row in rows for key in row))
     fields = [f for f in fields if f not in PRODUCTION_ONLY_FIELDS]
     for needed in ("id", "question", "category"):
-        if needed not in fields:
-            raise DataError(f"{traffic_path}: no row has {needed!r}; the suite is derived from it")
+        if not any(isinstance(row.get(needed), str) for row in rows):
+            raise DataError(
+                f"{traffic_path}: no row has a string {needed!r}; the suite is derived from it"
+            )
     always_present = [f for f in fields if all(row.get(f) is not None for row in rows)]
     required = [f for f in fields if f in REQUIRED_FIELDS or f in always_present]
     required += [f for f in REQUIRED_FIELDS if f not in required]
@@ -741,6 +749,90 @@ def check_references(
     ]
 
 
+def check_row_shapes(
+    numbered: list[tuple[int, dict[str, Any]]],
+    path: Path,
+    *,
+    n: int = THRESHOLDS["sample_rows"],
+) -> list[dict[str, Any]]:
+    """Failures for rows a rollout could not start from, whatever the suite says: messages
+    that are not a list of `{"role", "content"}` objects, own `tools` that are not valid
+    tool schemas (rows without `tools` use the config's tools.schemas), and rows too large
+    to travel in a tool request (`MAX_ROW_BYTES`). The tool client and the chat template
+    would otherwise refuse such a row mid-training."""
+    checked_tools: dict[str, str | None] = {}  # rows usually share one list: check each once
+    bad: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for line, row in numbered:
+        problems = []
+        messages = row.get("messages")
+        if "messages" in row and not _messages_ok(messages):
+            problems.append(
+                (
+                    "messages_well_formed",
+                    "messages",
+                    "a non-empty list of objects with a string `role` and `content`",
+                    _short(messages),
+                )
+            )
+        if "tools" in row:
+            key = json.dumps(row["tools"], sort_keys=True, default=str)
+            if key not in checked_tools:
+                try:
+                    tool_validators(row["tools"], where="tools", error=DataError)
+                    checked_tools[key] = None
+                except DataError as exc:
+                    checked_tools[key] = str(exc)
+            if checked_tools[key]:
+                problems.append(
+                    (
+                        "tool_schemas_valid",
+                        "tools",
+                        "Chat Completions tool schemas: a function.name each, once, "
+                        "parameters a JSON schema",
+                        checked_tools[key],
+                    )
+                )
+        size = len(json.dumps(row, ensure_ascii=False, default=str).encode())
+        if size > MAX_ROW_BYTES:
+            problems.append(
+                (
+                    "row_fits_tool_request",
+                    "(row)",
+                    f"at most {MAX_ROW_BYTES} bytes",
+                    f"{size} bytes",
+                )
+            )
+        for expectation, column, expected, error in problems:
+            bad.setdefault((expectation, column, expected), []).append(
+                {"id": _short(row.get("id")), "line": line, "error": error}
+            )
+    return [
+        _failure(
+            path,
+            expectation,
+            column,
+            f"{len(rows)} of {len(numbered)} rows",
+            expected,
+            len(rows),
+            rows[:n],
+        )
+        for (expectation, column, expected), rows in bad.items()
+    ]
+
+
+def _messages_ok(messages: Any) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), (str, list))
+            for m in messages
+        )
+    )
+
+
 def _leaf_graders(grader: dict[str, Any], where: str):
     if grader["type"] == "multi":
         for name, sub in grader["graders"].items():
@@ -859,7 +951,8 @@ def validate_splits(
     suite: dict[str, Any] | None, train_path: Path, eval_path: Path, grader: dict[str, Any]
 ) -> StageReport:
     """Validate train and eval against the suite (None: no suite), check that they share
-    no id or normalised question, and that the grader can use every row's reference answer."""
+    no id or normalised question, that the grader can use every row's reference answer and
+    that a rollout can start from every row."""
     suite = suite or {"name": "(no suite)", "expectations": [], "meta": {}}
     train_path, eval_path = Path(train_path), Path(eval_path)
     n = int(
@@ -869,6 +962,8 @@ def validate_splits(
     checks = check_leakage(train, eval_rows, n=n)
     checks += check_references(grader, train, train_path, n=n)
     checks += check_references(grader, eval_rows, eval_path, n=n)
+    checks += check_row_shapes(train, train_path, n=n)
+    checks += check_row_shapes(eval_rows, eval_path, n=n)
     return StageReport(
         suite=suite["name"],
         datasets=[

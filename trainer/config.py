@@ -7,10 +7,12 @@ and where MLflow lives. The models here are also the Prefect flow's parameters, 
 field carries a description (it becomes the UI form and the CLI help) and sections stay one
 level deep.
 
-Unknown keys, wrong types and missing files are `ConfigError`s that name the file, the key
-path and what was expected. Header values keep their `${VAR}` templates: secrets are
-resolved only when a tool client is built and never appear in the config text, its hash,
-MLflow params or logs.
+Unknown keys, keys written twice, wrong types, NaN or infinite numbers, missing files and
+tool sections that contradict themselves (two endpoints for one tool, a host outside
+`allowed_hosts`, a schema that does not compile) are `ConfigError`s that name the file, the
+key path and what was expected, when the file loads: before any model or server starts.
+Header values keep their `${VAR}` templates: secrets are resolved only when a tool client
+is built and never appear in the config text, its hash, MLflow params or logs.
 """
 
 from __future__ import annotations
@@ -21,20 +23,31 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from trainer.errors import ConfigError
-from trainer.tools import ToolEndpoint
+from trainer.tools import ToolEndpoint, tool_validators
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors."""
+    """Base of every config section: unknown keys are errors, and so are NaN and infinity
+    (`.inf` passes `gt=0`, and a NaN threshold passes every comparison)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -98,6 +111,27 @@ class ToolsConfig(Section):
         None, description="Allowlist of tool hosts; None allows only the configured endpoints."
     )
 
+    @model_validator(mode="after")
+    def _endpoints_and_schemas_agree(self) -> ToolsConfig:
+        # Checked at load time so that a bad tool section fails `config validate` and every
+        # stage before any model is loaded, not at the first rollout.
+        names: set[str] = set()
+        for index, endpoint in enumerate(self.endpoints):
+            where = f"tools.endpoints[{index}]"
+            if endpoint.name in names:
+                raise ConfigError(f"{where}: tool {endpoint.name!r} has two endpoints; keep one")
+            names.add(endpoint.name)
+            host = urlparse(endpoint.server_url).hostname
+            if self.allowed_hosts is not None and host not in self.allowed_hosts:
+                raise ConfigError(
+                    f"{where}.server_url: host {host!r} of tool {endpoint.name!r} is not in "
+                    f"tools.allowed_hosts {self.allowed_hosts}; add it there or fix the URL"
+                )
+        if self.schemas is not None:
+            # The demo server's endpoints exist only once it runs: then the client checks names.
+            tool_validators(self.schemas, where="tools.schemas", endpoints=names or None)
+        return self
+
 
 class RolloutConfig(Section):
     system_prompt: str = Field(
@@ -151,6 +185,20 @@ class PromptOptimizationConfig(Section):
     k: int = Field(2, ge=1, description="Samples per item for each variant.")
     max_items: int | None = Field(None, ge=1, description="Items per variant check.")
 
+    @field_validator("variants")
+    @classmethod
+    def _names_are_unique(cls, variants: list[PromptVariant]) -> list[PromptVariant]:
+        # A variant's name keys its metrics and the stage's choice.
+        seen = set()
+        for index, variant in enumerate(variants):
+            if variant.name in seen:
+                raise ConfigError(
+                    f"prompt_optimization.variants[{index}].name: {variant.name!r} is used twice; "
+                    "give every variant its own name"
+                )
+            seen.add(variant.name)
+        return variants
+
 
 class LoraConfig(Section):
     r: int = Field(16, ge=1, description="LoRA rank.")
@@ -167,11 +215,11 @@ Auto = Literal["auto"]
 class TrainingConfig(Section):
     n_epochs: PositiveInt | Auto = Field("auto", description="Passes over the training items (auto: 1).")
     batch_size: PositiveInt | Auto = Field("auto", description="Items per step (auto: 8).")
-    learning_rate_multiplier: float | Auto = Field(
+    learning_rate_multiplier: PositiveFloat | Auto = Field(
         "auto", description="Times the base learning rate of 1e-5 (auto: 1.0)."
     )
     learning_rate: float | None = Field(None, gt=0, description="Absolute learning rate; overrides the multiplier.")
-    compute_multiplier: float | Auto = Field(
+    compute_multiplier: PositiveFloat | Auto = Field(
         "auto", description="Scales rollouts per item: group size = round(8 x multiplier), min 2 (auto: 1.0)."
     )
     eval_interval: PositiveInt | Auto = Field("auto", description="Steps between evaluations (auto: 10).")
@@ -313,18 +361,34 @@ def resolved_hyperparameters(training: TrainingConfig) -> dict[str, Any]:
 # --- loading --------------------------------------------------------------------------
 
 
-def _describe_error(error: dict[str, Any]) -> str:
-    path = ".".join(str(part) for part in error["loc"]) or "(top level)"
-    kind = error["type"]
-    if kind == "extra_forbidden":
-        return f"{path}: unknown key; check the spelling against the documented keys"
-    if kind == "missing":
-        return f"{path}: required key is missing"
-    received = error.get("input")
-    shown = repr(received)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return f"{path}: {error['msg']} (got {shown})"
+# Steps pydantic adds to an error's location for each member of a union (`int | "auto"`
+# fails as `constrained-int` and as `literal['auto']`): not keys the user wrote.
+_UNION_STEP = re.compile(
+    r"^(?:constrained-\w+|literal\[.*\]|function-[\w-]+\[.*\]|int|float|str|bool|none"
+    r"|(?:list|dict|tuple)\[.*\])$"
+)
+
+
+def _describe_errors(errors: list[Any]) -> list[str]:
+    """One line per bad key path; the complaints of a union's members are joined by "or"."""
+    problems: dict[str, tuple[list[str], str]] = {}
+    for error in errors:
+        steps = [p for p in error["loc"] if not (isinstance(p, str) and _UNION_STEP.match(p))]
+        path = ".".join(str(step) for step in steps) or "(top level)"
+        kind = error["type"]
+        shown = ""
+        if kind == "extra_forbidden":
+            text = "unknown key; check the spelling against the documented keys"
+        elif kind == "missing":
+            text = "required key is missing"
+        else:
+            text = error["msg"]
+            shown = repr(error.get("input"))
+            shown = f" (got {shown[:77] + '...' if len(shown) > 80 else shown})"
+        texts, _ = problems.setdefault(path, ([], shown))
+        if text not in texts:
+            texts.append(text)
+    return [f"{path}: {' or '.join(texts)}{shown}" for path, (texts, shown) in problems.items()]
 
 
 def config_from_dict(raw: Any, *, source: str = "<config>") -> PipelineConfig:
@@ -336,10 +400,28 @@ def config_from_dict(raw: Any, *, source: str = "<config>") -> PipelineConfig:
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        lines = [_describe_error(err) for err in exc.errors()]
+        lines = _describe_errors(exc.errors())
         raise ConfigError(f"{source}: invalid config:\n  " + "\n  ".join(lines)) from None
     except ConfigError as exc:  # the grader validator raises our own type
         raise ConfigError(f"{source}: {exc}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping: PyYAML would keep the
+    last one silently, so a repeated section or key would drop the first one's settings."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue  # `<<: *anchor` merges may repeat; complex keys are PyYAML's to judge
+            if key_node.value in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key_node.value!r} appears twice in one mapping; keep one",
+                    key_node.start_mark,
+                )
+            seen.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
@@ -352,7 +434,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid UTF-8 (byte {exc.start}); save the file as UTF-8") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

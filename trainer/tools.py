@@ -34,6 +34,7 @@ import random
 import re
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -224,7 +225,9 @@ class ToolClient:
         # The config's schemas, checked now; None means each item's `tools` (compiled
         # once per distinct list, as rows usually share one).
         self._schemas = (
-            None if schemas is None else self._compile(schemas, "tools.schemas", ConfigError)
+            None
+            if schemas is None
+            else tool_validators(schemas, where="tools.schemas", endpoints=self._tools)
         )
         self._item_schemas: dict[str, dict[str, Any]] = {}
         # One pool sized so that every endpoint can use its whole concurrency at once.
@@ -477,44 +480,13 @@ class ToolClient:
             )
         key = json.dumps(tools, sort_keys=True)
         if key not in self._item_schemas:
-            self._item_schemas[key] = self._compile(
-                tools, f"item {item.get('id')!r} tools", DataError
+            self._item_schemas[key] = tool_validators(
+                tools,
+                where=f"item {item.get('id')!r} tools",
+                error=DataError,
+                endpoints=self._tools,
             )
         return self._item_schemas[key]
-
-    def _compile(
-        self, schemas: list[dict], where: str, error: type[AgentRFTError]
-    ) -> dict[str, Any]:
-        """A jsonschema validator per tool name, for Chat Completions (or flat) schemas.
-
-        Every offered tool must have an endpoint; a tool with an endpoint but no schema
-        is simply not offered (a prompt variant may offer a subset).
-        """
-        validators: dict[str, Any] = {}
-        for i, schema in enumerate(schemas):
-            function = schema.get("function", schema) if isinstance(schema, dict) else None
-            name = function.get("name") if isinstance(function, dict) else None
-            if not isinstance(name, str) or not name:
-                raise error(f"{where}[{i}]: function.name is missing")
-            if name in validators:
-                raise error(f"{where}[{i}]: tool {name!r} is declared twice; keep one")
-            if name not in self._tools:
-                raise ConfigError(
-                    f"{where}[{i}]: tool {name!r} is offered to the model but tools.endpoints "
-                    f"has no endpoint for it; add a {{name, server_url}} entry"
-                )
-            parameters = function.get("parameters", {"type": "object"})
-            cls = jsonschema.validators.validator_for(
-                parameters, default=jsonschema.Draft202012Validator
-            )
-            try:
-                cls.check_schema(parameters)
-            except jsonschema.SchemaError as exc:
-                raise error(
-                    f"{where}[{i}] ({name}): parameters is not a valid JSON schema: {exc.message}"
-                ) from None
-            validators[name] = cls(parameters)
-        return validators
 
     def _truncate(self, output: str) -> tuple[str, bool]:
         extra = len(output) - self.max_output_chars
@@ -527,6 +499,55 @@ class ToolClient:
         for secret in self._secrets:
             text = text.replace(secret, "[redacted]")
         return text
+
+
+def tool_validators(
+    schemas: Any,
+    *,
+    where: str,
+    error: type[AgentRFTError] = ConfigError,
+    endpoints: Collection[str] | None = None,
+) -> dict[str, Any]:
+    """A jsonschema validator per tool name, for Chat Completions (or flat) schemas.
+
+    `error` is raised naming `where[i]` for a schema without a name, a name declared twice
+    or parameters that are not a JSON schema. With `endpoints` (the names that have one),
+    every offered tool must be among them; a tool with an endpoint but no schema is simply
+    not offered (a prompt variant may offer a subset). The config checks its schemas with
+    this at load time, the client again when it starts, with the endpoints it really has.
+    """
+    if not isinstance(schemas, list):
+        raise error(f"{where}: expected a list of tool schemas, got {type(schemas).__name__}")
+    validators: dict[str, Any] = {}
+    for i, schema in enumerate(schemas):
+        function = schema.get("function", schema) if isinstance(schema, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise error(f"{where}[{i}]: function.name is missing")
+        if name in validators:
+            raise error(f"{where}[{i}]: tool {name!r} is declared twice; keep one")
+        if endpoints is not None and name not in endpoints:
+            raise ConfigError(
+                f"{where}[{i}]: tool {name!r} is offered to the model but tools.endpoints "
+                f"has no endpoint for it; add a {{name, server_url}} entry"
+            )
+        parameters = function.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise error(
+                f"{where}[{i}] ({name}): parameters must be a JSON schema object, "
+                f"got {type(parameters).__name__}"
+            )
+        cls = jsonschema.validators.validator_for(
+            parameters, default=jsonschema.Draft202012Validator
+        )
+        try:
+            cls.check_schema(parameters)
+        except jsonschema.SchemaError as exc:
+            raise error(
+                f"{where}[{i}] ({name}): parameters is not a valid JSON schema: {exc.message}"
+            ) from None
+        validators[name] = cls(parameters)
+    return validators
 
 
 def _error_detail(text: str) -> str:

@@ -52,7 +52,9 @@ class GraderConfigError(ConfigError):
 
 
 class _Grader(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinity are refused: `abs_tol: Infinity` would give full credit to any answer,
+    # and a NaN threshold passes every comparison.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str | None = Field(None, description="Name shown in results (optional).")
 
@@ -93,7 +95,7 @@ class ModelMessage(BaseModel):
 
 
 class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     seed: int | None = None
     top_p: float | None = None
@@ -306,16 +308,19 @@ def _describe(error: dict[str, Any], where: str) -> str:
     received = error.get("input")
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         tag = error.get("ctx", {}).get("tag")
-        got = f"got {tag!r}" if tag is not None else "it is missing"
+        got = f"got {_shown(tag)}" if tag is not None else "it is missing"
         return f"{key}.type: expected one of {', '.join(GRADER_TYPES)}, {got}"
     if kind == "literal_error":
         expected = re.findall(r"'([^']*)'", error["ctx"]["expected"])
-        return f"{key}: expected one of {', '.join(expected)}, got {received!r}"
+        return f"{key}: expected one of {', '.join(expected)}, got {_shown(received)}"
     if kind == "missing":
         return f"{key}: required field missing"
     if kind == "extra_forbidden":
         return f"{key}: unknown field; check the spelling against the grader's documented fields"
-    shown = repr(received)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return f"{key}: {error['msg']} (got {shown})"
+    return f"{key}: {error['msg']} (got {_shown(received)})"
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: its repr, cut (a field may hold megabytes)."""
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."

@@ -38,6 +38,8 @@ def check_template(template: str) -> str | None:
             _split_variable(variable)
         except GraderError as exc:
             return str(exc)
+    if "{{" in _VARIABLE.sub("", template):  # else it would be graded as literal text
+        return "a `{{` is never closed by `}}`; write variables as {{ item.name }}"
     return None
 
 
