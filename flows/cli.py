@@ -85,12 +85,17 @@ def _grader_run(args: argparse.Namespace) -> int:
 
     sample = args.sample
     if args.sample_file:
-        sample = Path(args.sample_file).read_text(encoding="utf-8")
+        try:
+            sample = Path(args.sample_file).read_bytes().decode("utf-8")
+        except OSError as exc:
+            raise AgentRFTError(f"{args.sample_file}: cannot read the sample file ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise AgentRFTError(f"{args.sample_file}: not valid UTF-8 (byte {exc.start})") from None
     if sample is None:
         raise AgentRFTError("grader run: pass --sample TEXT or --sample-file FILE")
     result = run_grader_cli(Path(args.grader), Path(args.item), sample)
     print(json.dumps(result, indent=2))
-    return 0
+    return 0 if result.get("reward") is not None else 1  # the grader could not score it
 
 
 def _config_validate(args: argparse.Namespace) -> int:
@@ -144,6 +149,8 @@ def _eval(args: argparse.Namespace) -> int:
         "timeout_s": config.tools.timeout_s,
         "max_retries": config.tools.max_retries,
         "max_output_chars": config.tools.max_output_chars,
+        "max_concurrency_per_endpoint": config.tools.max_concurrency_per_endpoint,
+        "allowed_hosts": config.tools.allowed_hosts,
     }
     from tasks.rollout_eval import tool_endpoints
 
@@ -189,12 +196,12 @@ def _expectations_derive(args: argparse.Namespace) -> int:
 
 
 def _grader_probe(args: argparse.Namespace) -> int:
-    from trainer.bootstrap import read_items
+    from tasks.validate import read_rows
     from trainer.graders import validate_grader_file
     from trainer.graders.probe import run_probes
 
     grader = validate_grader_file(Path(args.grader))
-    items = read_items(Path(args.dataset), args.max_items)
+    items = [row for _, row in read_rows(Path(args.dataset))][: args.max_items]
     report = run_probes(grader, items, corpus_dir=Path(args.corpus) if args.corpus else None)
     print(json.dumps(report.to_json(), indent=2))
     if report.flagged:

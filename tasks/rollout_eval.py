@@ -102,6 +102,8 @@ def evaluate_model(
         "timeout_s": config.tools.timeout_s,
         "max_retries": config.tools.max_retries,
         "max_output_chars": config.tools.max_output_chars,
+        "max_concurrency_per_endpoint": config.tools.max_concurrency_per_endpoint,
+        "allowed_hosts": config.tools.allowed_hosts,
     }
     with tool_endpoints(config) as endpoints:
         return run_evaluation(

@@ -10,6 +10,7 @@ a free loopback port with its own SQLite home, serves the deployments against it
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -71,7 +72,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="chromium is not installed (.ci/run installs Debian's chromium)")
 def test_custom_run_from_the_ui_form_completes(prefect_server, world, endpoints, taught_model):
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     ui, api, env = prefect_server
     # Results stored where the other pipeline tests keep theirs: the stages are served from cache.
@@ -93,12 +94,14 @@ def test_custom_run_from_the_ui_form_completes(prefect_server, world, endpoints,
             page = browser.new_page()
             try:
                 page.goto(f"{ui}/deployments/deployment/{dep['id']}", wait_until="networkidle")
-                page.get_by_role("button", name="Run").first.click()
-                page.get_by_text("Custom run").first.click()
-                page.wait_for_url("**/run", timeout=60_000)
+                page.get_by_role("button", name="Run", exact=True).click()
+                page.get_by_text("Custom run", exact=True).click()
+                expect(page).to_have_url(re.compile(r"/run$"), timeout=60_000)  # client-side routing
                 # The form shows the config sections; this custom run renames the job.
-                page.get_by_role("button", name="Submit").first.click()
-                page.wait_for_url("**/flow-runs/flow-run/**", timeout=60_000)
+                name = page.locator("xpath=//*[normalize-space(text())='name (Optional)']/following::textarea[1]")
+                name.fill("browser-from-ui")
+                page.get_by_role("button", name="Submit", exact=True).click()
+                expect(page).to_have_url(re.compile(r"/flow-runs/flow-run/[0-9a-f-]+"), timeout=60_000)
                 flow_run_id = page.url.rstrip("/").split("/")[-1]
             except Exception:
                 page.screenshot(path=str(world / "browser-failure.png"), full_page=True)
@@ -113,6 +116,7 @@ def test_custom_run_from_the_ui_form_completes(prefect_server, world, endpoints,
         run = _wait(finished, 900, "the flow run", every=3)
         assert run["state"]["type"] == "COMPLETED", run["state"]
         assert run["deployment_id"] == dep["id"]
+        assert run["parameters"]["name"] == "browser-from-ui"
     finally:
         served.terminate()
         served.wait(timeout=60)

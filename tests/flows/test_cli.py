@@ -77,9 +77,3 @@ def test_data_verify_reports_mismatch(tmp_path: Path) -> None:
     result = agentrft("data", "verify", "--data-dir", str(tmp_path / "absent"), "--dvc-file", str(dvc_file))
     assert result.returncode == 1
     assert "00000000000000000000000000000000" in result.stdout + result.stderr
-
-
-def test_demo_is_not_faked_before_the_pipeline_exists() -> None:
-    result = agentrft("demo")
-    assert result.returncode != 0
-    assert "not built yet" in result.stderr
