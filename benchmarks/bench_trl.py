@@ -47,9 +47,9 @@ from trainer.rollout import RolloutSettings
 from trainer.tools import ToolEndpoint
 
 
-def ours(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, out: Path) -> dict[str, Any]:
+def ours(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: int, out: Path) -> dict[str, Any]:
     """Our GRPO trainer for `steps` steps; seconds of the steps without the evaluations."""
-    config = training_config(world, endpoints, max_steps=steps, eval_interval=steps, n_epochs=steps)
+    config = training_config(world, endpoints, max_steps=steps, eval_interval=steps, n_epochs=steps, seed=seed)
     result = train(config, model_path=str(world.model), output_dir=out)
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
     step_s = [r["timing/step_s"] - r["timing/eval_s"] for r in rows]
@@ -96,7 +96,8 @@ def trl_tools(endpoints: list[ToolEndpoint]) -> tuple[list, httpx.Client]:
     return [list_tool, cat], client
 
 
-def trl(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, out: Path, threads: int) -> dict[str, Any]:
+def trl(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: int, out: Path,
+        threads: int) -> dict[str, Any]:
     """TRL's GRPOTrainer for `steps` steps at our settings; seconds of its training steps."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
@@ -104,7 +105,7 @@ def trl(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, out: Path
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_template
 
-    config = training_config(world, endpoints)
+    config = training_config(world, endpoints, seed=seed)
     hp, rollout = config.training, config.rollout
     items = {item["id"]: item for item in world.items()}
     rewards: list[float] = []
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=4, help="training steps of each run")
     parser.add_argument("--latencies", type=float, nargs="+", default=[0.0, 100.0],
                         help="tool latencies (ms) injected by the server, one pair of runs each")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="training seeds at the first latency (one at the others): a few RL steps of a tiny "
+                        "model move its score by chance as much as by method, so the scores are compared on average")
     parser.add_argument("--eval-k", type=int, default=16, help="evaluation samples per item")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of both (1: steadier on a shared machine, and faster for this model)")
@@ -192,15 +196,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     world = taught_world()
     results: dict[str, Any] = {"steps": args.steps, "threads": args.threads, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
-        for latency in args.latencies:
+        for index, latency in enumerate(args.latencies):
             faults = FaultConfig(latency_ms=latency) if latency else None
+            seeds = [3 + n for n in range(args.seeds if index == 0 else 1)]
+            run: dict[str, Any] = {"seeds": seeds, "ours": [], "trl": []}
             with local_tool_endpoints(world.corpus, max_output_chars=OUTPUT_CHARS, faults=faults) as endpoints:
-                print(f"tool latency {latency:g} ms: ours, then TRL, {args.steps} steps each", flush=True)
-                run = {"ours": ours(world, endpoints, args.steps, Path(tmp) / f"ours_{latency:g}"),
-                       "trl": trl(world, endpoints, args.steps, Path(tmp) / f"trl_{latency:g}", args.threads)}
-            for side in run.values():
-                side["steps_per_s"] = side["steps"] / side["seconds"]
-            run["speedup"] = run["ours"]["steps_per_s"] / run["trl"]["steps_per_s"]
+                for seed in seeds:
+                    print(f"tool latency {latency:g} ms, seed {seed}: ours, then TRL, {args.steps} steps each",
+                          flush=True)
+                    out = Path(tmp) / f"{latency:g}_{seed}"
+                    run["ours"].append(ours(world, endpoints, args.steps, seed, out / "ours"))
+                    run["trl"].append(trl(world, endpoints, args.steps, seed, out / "trl", args.threads))
+            for side in ("ours", "trl"):
+                run[f"{side}_steps_per_s"] = sum(r["steps"] for r in run[side]) / sum(r["seconds"] for r in run[side])
+            run["speedup"] = run["ours_steps_per_s"] / run["trl_steps_per_s"]
             results["runs"][f"{latency:g}ms"] = run
         # The same evaluation of the models after the same number of steps.
         with local_tool_endpoints(world.corpus, max_output_chars=OUTPUT_CHARS) as endpoints:
@@ -208,16 +217,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results["eval_start"] = eval_score(str(world.model), world, endpoints, args.eval_k)
             for run in results["runs"].values():
                 for side in ("ours", "trl"):
-                    run[side]["eval_score"] = eval_score(run[side].pop("model"), world, endpoints, args.eval_k)
+                    for r in run[side]:
+                        r["eval_score"] = eval_score(r.pop("model"), world, endpoints, args.eval_k)
+                    run[f"{side}_eval_mean"] = statistics.mean(r["eval_score"] for r in run[side])
 
-    print(f"\n{'latency':>8} {'trainer':>7} {'steps':>5} {'seconds':>8} {'steps/s':>8} {'reward':>7} "
+    print(f"\n{'latency':>8} {'seed':>4} {'trainer':>7} {'steps':>5} {'seconds':>8} {'steps/s':>8} {'reward':>7} "
           f"{'calls':>6} {'eval':>6}")
     for name, run in results["runs"].items():
-        for side in ("ours", "trl"):
-            r = run[side]
-            print(f"{name:>8} {side:>7} {r['steps']:>5} {r['seconds']:>8.2f} {r['steps_per_s']:>8.3f} "
-                  f"{r['reward_mean']:>7.3f} {r['tool_calls_mean']:>6.2f} {r['eval_score']:>6.3f}")
-        print(f"{name:>8} ours / TRL steps per second: {run['speedup']:.2f}x")
+        for seed, pair in zip(run["seeds"], zip(run["ours"], run["trl"], strict=True), strict=True):
+            for side, r in zip(("ours", "trl"), pair, strict=True):
+                print(f"{name:>8} {seed:>4} {side:>7} {r['steps']:>5} {r['seconds']:>8.2f} "
+                      f"{r['steps'] / r['seconds']:>8.3f} {r['reward_mean']:>7.3f} {r['tool_calls_mean']:>6.2f} "
+                      f"{r['eval_score']:>6.3f}")
+        print(f"{name:>8} ours / TRL steps per second: {run['speedup']:.2f}x; mean eval score ours "
+              f"{run['ours_eval_mean']:.3f}, TRL {run['trl_eval_mean']:.3f}")
     print(f"eval score of the starting model: {results['eval_start']:.3f} ({args.eval_k} samples per item)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
