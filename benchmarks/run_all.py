@@ -128,7 +128,8 @@ def training_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
     s = r.get("scaling")
     if s:
         ratios = s["time_ratio_per_doubling"]
-        curve = {key: ", ".join(f"{p['step_s']:.2f}" for p in s["points"] if pick(p))
+        points = sorted(s["points"], key=lambda p: (p["group_size"], p["items"]))
+        curve = {key: ", ".join(f"{p['step_s']:.2f}" for p in points if pick(p))
                  for key, pick in (("group", lambda p: p["items"] == 2), ("items", lambda p: p["group_size"] == 4))}
         group = [ratios["group_4_to_8"], ratios["group_8_to_16"]]
         items = [ratios["items_1_to_2"], ratios["items_2_to_4"]]
@@ -137,7 +138,7 @@ def training_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
                         f"step seconds {curve['group']} at 2 items"))
         rows.append(row("scaling: step time per doubling of items per step (1, 2, 4)",
                         " / ".join(f"{x:.2f}" for x in items), "<= 2.0 (linear)", max(items) <= 2.0,
-                        f"step seconds {curve['items']} at a group of 4 (order 4x1, 4x2, 4x4)"))
+                        f"step seconds {curve['items']} at a group of 4"))
     return rows
 
 
