@@ -26,6 +26,7 @@ demo: $(STAMP)
 	$(BIN)/agentrft demo
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	$(BIN)/python benchmarks/run_all.py
 
 lint: $(STAMP)
