@@ -1,4 +1,5 @@
-"""Shared test setup: offline libraries, quiet Prefect, and the demo data on disk.
+"""Shared test setup: offline libraries, quiet Prefect, the demo data on disk, and the micro
+pipeline world (items, tool server, a tiny taught model, Prefect's test harness).
 
 `data/` is owned by DVC and not committed; a fresh clone regenerates it from the
 deterministic generator (the data tests check it reproduces the md5 in data.dvc).
@@ -32,3 +33,46 @@ def demo_data_dir() -> Path:
     if not (data_dir / "train.jsonl").is_file():
         generate_dataset(data_dir, seed=0)
     return data_dir
+
+
+@pytest.fixture(scope="session")
+def world(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.pipeline_world import pin
+    from tests.taught_model import copy_items
+    from trainer.bootstrap import read_items
+
+    root = tmp_path_factory.mktemp("pipeline")
+    data = root / "data"
+    data.mkdir()
+    items = read_items(demo_data_dir / "train.jsonl", 4)
+    copy_items(demo_data_dir, items[:2], data, "train.jsonl")
+    copy_items(demo_data_dir, items[2:], data, "eval.jsonl")
+    pin(data, root / "data.dvc")
+    return root
+
+
+@pytest.fixture(scope="session")
+def endpoints(world: Path):
+    from envs.finqa.local import local_tool_endpoints
+    from tests.taught_model import OUTPUT_CHARS
+
+    with local_tool_endpoints(world / "data" / "corpus", max_output_chars=OUTPUT_CHARS) as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+def taught_model(world: Path, endpoints) -> Path:
+    from tests.taught_model import teach_model
+
+    data = world / "data"
+    return teach_model([data / "train.jsonl", data / "eval.jsonl"], data / "corpus", endpoints, world / "model")
+
+
+@pytest.fixture(scope="session")
+def harness(world: Path):
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: world / "prefect-results"}):
+            yield

@@ -38,6 +38,7 @@ class MetricsSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
         self._client = None
+        self._already_logged: set[int] = set()
         if self.run_id:
             from mlflow import MlflowClient
 
@@ -49,7 +50,7 @@ class MetricsSink:
         row = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(row) + "\n")
-        if self._client is None:
+        if self._client is None or step in self._already_logged:
             return
         from mlflow.entities import Metric
 
@@ -60,10 +61,21 @@ class MetricsSink:
 
     def rewrite(self, history: Sequence[dict[str, Any]]) -> None:
         """Replace the local file by `history` (rows as `log` writes them): a resumed run
-        drops the lines of steps that were logged after its checkpoint."""
+        drops the lines of steps that were logged after its checkpoint.
+
+        MLflow cannot forget a logged step, so a run killed between logging a step and
+        checkpointing it keeps its first values: steps the MLflow run already holds beyond
+        `history` are not sent again (the run keeps one value per step and metric)."""
         with self.path.open("w", encoding="utf-8") as handle:
             for row in history:
                 handle.write(json.dumps(row) + "\n")
+        if self._client is not None:
+            kept = {row["step"] for row in history}
+            self._already_logged = {
+                m.step
+                for key in ("timing/step_s", "eval/score_mean")
+                for m in self._client.get_metric_history(self.run_id, key)
+            } - kept
 
     def log_artifacts(self, local_dir: Path, artifact_path: str) -> None:
         """Upload a directory to the MLflow run, when there is one."""

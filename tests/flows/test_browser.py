@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.flows.conftest import micro
+from tests.pipeline_world import micro
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

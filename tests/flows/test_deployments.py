@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.flows.conftest import micro
+from tests.pipeline_world import micro
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

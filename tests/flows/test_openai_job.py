@@ -11,7 +11,7 @@ import yaml
 from mlflow import MlflowClient
 
 from flows.openai_job import config_from_openai_job
-from tests.flows.conftest import micro
+from tests.pipeline_world import micro
 from trainer.errors import ConfigError
 
 MULTI_GRADER = {

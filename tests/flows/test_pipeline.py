@@ -18,7 +18,7 @@ import yaml
 from mlflow import MlflowClient
 
 from envs.finqa.generate import generate_dataset
-from tests.flows.conftest import micro, pin
+from tests.pipeline_world import micro, pin
 
 pytestmark = pytest.mark.integration
 

@@ -1,59 +1,22 @@
-"""Fixtures of the pipeline tests: a micro world (four items, their corpus pages, a DVC pin),
-the real tool server on loopback, a tiny taught model, and Prefect's test harness (a real
-API server) with results stored in the world. Session-scoped: built once for all of them.
+"""The micro pipeline world shared by the pipeline and reliability tests: four items (two
+train, two eval) with their corpus pages and a DVC pin, and the micro config around a tiny
+taught model. The fixtures that build it live in `tests/conftest.py`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import yaml
 
 from envs.finqa.dvc_pin import dir_md5
-from envs.finqa.local import local_tool_endpoints
-from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS, copy_items, teach_model
-from trainer.bootstrap import read_items
+from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS
 from trainer.config import config_from_dict, merge_overrides
 
 
 def pin(data_dir: Path, dvc_file: Path) -> None:
     """What `dvc add` writes, for a data directory made by the test."""
     dvc_file.write_text(yaml.safe_dump({"outs": [{"md5": dir_md5(data_dir) + ".dir", "path": data_dir.name}]}))
-
-
-@pytest.fixture(scope="session")
-def world(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("pipeline")
-    data = root / "data"
-    data.mkdir()
-    items = read_items(demo_data_dir / "train.jsonl", 4)
-    copy_items(demo_data_dir, items[:2], data, "train.jsonl")
-    copy_items(demo_data_dir, items[2:], data, "eval.jsonl")
-    pin(data, root / "data.dvc")
-    return root
-
-
-@pytest.fixture(scope="session")
-def endpoints(world: Path):
-    with local_tool_endpoints(world / "data" / "corpus", max_output_chars=OUTPUT_CHARS) as served:
-        yield served
-
-
-@pytest.fixture(scope="session")
-def taught_model(world: Path, endpoints) -> Path:
-    data = world / "data"
-    return teach_model([data / "train.jsonl", data / "eval.jsonl"], data / "corpus", endpoints, world / "model")
-
-
-@pytest.fixture(scope="session")
-def harness(world: Path):
-    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: world / "prefect-results"}):
-            yield
 
 
 def micro(world: Path, endpoints, model: Path, **overrides):
