@@ -3,8 +3,9 @@
 Three steps, all seeded, so the same data and settings give the same model:
 
 1. A byte-level BPE tokenizer trained on the demo corpus and questions, with every digit
-   its own token and every company ticker one token (both make copying numbers and names
-   out of tool outputs much easier for a tiny model), and a Qwen-style chat template.
+   its own token and every company ticker spelled one letter a token, the same pieces in
+   every context (both make copying numbers and names out of the question and the tool
+   outputs learnable for a tiny model), and a Qwen-style chat template.
 2. Demonstrations from a *scripted policy* that solves training items against the real
    demo tool server. It is imperfect on purpose, as the issue asks: it browses with
    redundant `list`/`search` calls, sometimes opens a wrong page first, and sometimes
@@ -38,7 +39,7 @@ import torch
 from trainer.chat_format import assistant_turn_end, continuation_text
 from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 
-BOOTSTRAP_VERSION = "2"
+BOOTSTRAP_VERSION = "3"
 
 
 @dataclass

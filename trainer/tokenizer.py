@@ -8,8 +8,13 @@ that saves, reloads with `AutoTokenizer` and carries the chat template
 Choices that help a tiny model learn FinQA-style tool use:
 - every digit is its own token, so numbers are spelled the same way everywhere and
   arithmetic-like copying is learnable;
-- each company ticker (`extra_tokens`) is one token, with and without a leading space
-  ("ACME" and " ACME"), so the model copies a name in one step;
+- each company ticker (`extra_tokens`) is spelled one character a token, the same pieces
+  wherever it stands ("ACME's", " ACME", "reports/ACME/2019": always A C M E, a leading
+  space its own token), so copying a name out of the question into a tool call is copying
+  letters, like copying digits. Tickers as whole tokens (one id each, or two with " ACME")
+  are 40 rare ids whose embeddings barely train: a tiny model only learned their marginal
+  (p(correct ticker) ~ 1/40, even when copying the question verbatim), while it copied
+  frequent tokens and digits well;
 - the ChatML markers are special tokens (`<|im_end|>` is eos, `<|endoftext|>` is pad) and the
   tool tags `<tool_call>`, `</tool_call>`, `<tool_response>`, `</tool_response>` are added
   tokens that are never split but are not special, so decoding with
@@ -21,10 +26,19 @@ Training is deterministic: the same texts and arguments give a byte-identical
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Iterable, Sequence
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from transformers import PreTrainedTokenizerFast
 
 from trainer.chat_format import CHAT_TEMPLATE, TOOL_TAGS
@@ -44,20 +58,25 @@ def build_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on `texts` and return it as a chat-ready fast tokenizer.
 
-    `vocab_size` is the BPE budget (bytes, merges and the three special tokens); the tool
-    tags and `extra_tokens` come on top, so size a model with `len(tokenizer)`.
-    `extra_tokens` (company tickers) each become one token, also after a space.
+    `vocab_size` is the BPE budget (bytes, merges and the three special tokens); the four
+    tool tags come on top, so size a model with `len(tokenizer)`. `extra_tokens` (company
+    tickers) add no tokens: they are spelled one character a token where they stand as
+    whole words ("ACMEX" is an ordinary word), so no merges are spent on them either.
     """
     if vocab_size <= len(_BYTE_ALPHABET) + len(SPECIAL_TOKENS):
         raise ConfigError(
             f"tokenizer vocab_size={vocab_size} leaves no room for merges: it must exceed "
             f"{len(_BYTE_ALPHABET) + len(SPECIAL_TOKENS)} (256 bytes + 3 special tokens)"
         )
-    # ignore_merges: a pre-tokenized word that is itself in the vocabulary maps straight to
-    # its id. That is what lets `_add_words` make a ticker one token without inventing merges.
-    tokenizer = Tokenizer(models.BPE(ignore_merges=True))
+    words = list(dict.fromkeys(extra_tokens))  # drop repeats; order kept for a stable pattern
+    for word in words:
+        if not word.strip():
+            raise ConfigError(f"tokenizer extra_tokens holds a blank entry {word!r}; remove it")
+    tokenizer = Tokenizer(models.BPE())
+    spell = [pre_tokenizers.Split(Regex(_spelling_pattern(words)), "isolated")] if words else []
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
+            *spell,
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False),
         ]
@@ -74,10 +93,7 @@ def build_tokenizer(
     )
     tokenizer.train_from_iterator(texts, trainer)
 
-    tokenizer, unsplittable = _add_words(tokenizer, extra_tokens)
-    tokenizer.add_tokens(
-        [AddedToken(tag, normalized=False, special=False) for tag in (*TOOL_TAGS, *unsplittable)]
-    )
+    tokenizer.add_tokens([AddedToken(tag, normalized=False, special=False) for tag in TOOL_TAGS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token=PAD_TOKEN,
@@ -88,25 +104,13 @@ def build_tokenizer(
     )
 
 
-def _add_words(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[Tokenizer, list[str]]:
-    """Put each word, bare and after a space, into the BPE vocabulary as one token.
-
-    A word the pre-tokenizer keeps whole (letters only: "ACME" -> "ACME", " ACME" -> "ĠACME")
-    becomes a vocabulary entry, found whole thanks to `ignore_merges`; unlike an added token
-    it also stays one token after a space and decodes like any learned word. A word the
-    pre-tokenizer would cut (digits, punctuation: "BRK.B") is returned, to be added as a
-    never-split added token instead.
-    """
-    spec = json.loads(tokenizer.to_str())
-    vocab: dict[str, int] = spec["model"]["vocab"]
-    unsplittable: list[str] = []
-    for word in dict.fromkeys(words):  # drop repeats, keep the caller's order (ids are stable)
-        if not word.strip():
-            raise ConfigError(f"tokenizer extra_tokens holds a blank entry {word!r}; remove it")
-        pieces = [tokenizer.pre_tokenizer.pre_tokenize_str(form) for form in (word, " " + word)]
-        if any(len(p) != 1 for p in pieces):
-            unsplittable.append(word)
-            continue
-        for [(piece, _offsets)] in pieces:
-            vocab.setdefault(piece, len(vocab))
-    return Tokenizer.from_str(json.dumps(spec)), unsplittable
+def _spelling_pattern(words: Sequence[str]) -> str:
+    """A regex matching each single character of `words` where a word stands whole: one
+    alternative a character, its word's prefix in a (fixed-length) look-behind and the
+    rest in a look-ahead. Isolating the matches spells the words out before ByteLevel."""
+    alternatives = []
+    for word in words:
+        for k, char in enumerate(word):
+            before, after = re.escape(word[:k]), re.escape(word[k + 1 :])
+            alternatives.append(rf"(?<=\b{before}){re.escape(char)}(?={after}\b)" if k else rf"\b{re.escape(char)}(?={after}\b)")
+    return "|".join(alternatives)

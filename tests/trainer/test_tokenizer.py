@@ -20,11 +20,11 @@ from trainer.modeling import build_model, count_parameters, load_model_and_token
 from trainer.tokenizer import build_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TICKERS = ["ACME", "ZETA", "NOVA", "BRK.B"]  # BRK.B: the pre-tokenizer cuts it at the dot
+TICKERS = ["ACME", "ZETA", "NOVA", "BRK.B"]  # BRK.B: punctuation inside a ticker
 
 
 def make_corpus(n_lines: int = 400) -> list[str]:
-    """FinQA-like lines; ZETA and BRK.B never occur, so their tokens come from extra_tokens."""
+    """FinQA-like lines; ZETA and BRK.B never occur, yet extra_tokens spells them too."""
     rng = random.Random(7)
     metrics = ["revenue", "net income", "operating expenses", "cash flow", "total assets"]
     lines = []
@@ -58,7 +58,7 @@ def test_digits_are_one_token_each(tokenizer):
     assert digit_tokens == list("123456789") + list("2021") + ["3"]
 
 
-@pytest.mark.parametrize("ticker", ["ACME", "ZETA", "NOVA"])
+@pytest.mark.parametrize("ticker", ["ACME", "ZETA", "NOVA", "BRK.B"])
 @pytest.mark.parametrize(
     "template",
     [
@@ -73,20 +73,29 @@ def test_digits_are_one_token_each(tokenizer):
         "\n{t}: 12",
     ],
 )
-def test_tickers_are_one_token_in_context(tokenizer, ticker, template):
+def test_tickers_are_spelled_the_same_in_every_context(tokenizer, ticker, template):
     text = template.format(t=ticker)
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    bare, spaced = (tokenizer.convert_tokens_to_ids(t) for t in (ticker, "Ġ" + ticker))
-    assert ids.count(bare) + ids.count(spaced) == text.count(ticker)
+    spelled = tokenizer.convert_tokens_to_ids(list(ticker))
+    # One character a token wherever the ticker stands: copying it is copying letters.
+    windows = [ids[i : i + len(spelled)] for i in range(len(ids))]
+    assert windows.count(spelled) == text.count(ticker)
     assert tokenizer.decode(ids) == text
 
 
-def test_ticker_with_punctuation_is_an_unsplit_added_token(tokenizer):
-    assert tokens(tokenizer, "BRK.B") == ["BRK.B"]
-    toks = tokens(tokenizer, "buy BRK.B now")
-    assert toks.count("BRK.B") == 1
-    assert toks[toks.index("BRK.B") - 1] == "Ġ"  # an added token cannot absorb the space
-    assert tokenizer.decode(tokenizer("buy BRK.B now").input_ids) == "buy BRK.B now"
+def test_ticker_keeps_its_space_and_slash_as_separate_tokens(tokenizer):
+    for text, ticker, before in [("of ACME's", "ACME", "Ġ"), ("buy BRK.B now", "BRK.B", "Ġ"), ("reports/NOVA/2019", "NOVA", "/")]:
+        toks = tokens(tokenizer, text)
+        start = toks.index(ticker[0])
+        assert toks[start - 1 : start + len(ticker)] == [before, *ticker]
+
+
+def test_tickers_spend_no_merges_and_match_whole_words_only(tokenizer):
+    vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False)
+    assert not [piece for piece in vocab if len(piece) > 1 and any(t[:2] in piece for t in TICKERS)]
+    # ACMEX is not a ticker: it may merge, and it decodes as it was.
+    assert tokenizer.decode(tokenizer("ACMEX ACME").input_ids) == "ACMEX ACME"
+    assert tokens(tokenizer, "ACMEX ACME")[-5:] == ["Ġ", "A", "C", "M", "E"]
 
 
 def test_special_and_tool_tokens(tokenizer):
@@ -118,8 +127,9 @@ def test_decode_inverts_encode(tokenizer, text):
 
 
 def test_vocab_holds_trained_and_added_tokens(tokenizer):
-    # 1024 BPE budget (whatever the small corpus fills) + ZETA/ GZETA + BRK.B + 4 tool tags.
-    assert 300 < len(tokenizer) <= 1024 + 3 + 4 + 4
+    # 1024 BPE budget (whatever the small corpus fills) + 4 tool tags; tickers add nothing.
+    assert 300 < len(tokenizer) <= 1024 + 4
+    assert len(tokenizer) == len(tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False)) + 4
     assert tokenizer.chat_template == CHAT_TEMPLATE
 
 
