@@ -8,7 +8,11 @@ version it replaces is recorded in the new version's `previous_champion` tag, wh
 what a rollback follows. When a gate failed, `champion` stays and the reason is recorded.
 
 The registry is never left half-updated: every change made is undone, in reverse order,
-if a later one fails (a new version is deleted, aliases point back where they were).
+if a later one fails (a new version is deleted, aliases point back where they were). A
+process killed midway cannot undo anything, so a new version is created with the tag
+`registration=pending` and marked `complete` only after its aliases are set; the next
+promotion deletes any version still pending (with its aliases) before it starts. Readers
+of the registry see a version as registered only when it is complete.
 `set_champion` is also what the hand-driven promote/rollback flow calls.
 """
 
@@ -44,6 +48,25 @@ def current_champion(tracking_uri: str, name: str) -> dict[str, Any] | None:
     return {"version": version, "uri": f"models:/{name}/{version}"} if version else None
 
 
+def remove_pending(client: Any, name: str) -> list[str]:
+    """Delete versions a killed promotion left half-registered (a `champion` alias it had
+    already taken goes back to the version it replaced); returns their numbers."""
+    removed = []
+    for version in client.search_model_versions(f"name = '{name}'"):
+        if version.tags.get("registration") != "pending":
+            continue
+        previous = version.tags.get("previous_champion")
+        # search results leave `aliases` empty: read the version itself
+        for alias in client.get_model_version(name, version.version).aliases or []:
+            if alias == "champion" and previous:
+                client.set_registered_model_alias(name, "champion", previous)
+            else:
+                client.delete_registered_model_alias(name, alias)
+        client.delete_model_version(name, version.version)
+        removed.append(str(version.version))
+    return removed
+
+
 class RegistryChange:
     """Registry edits that undo themselves, newest first, if the block raises."""
 
@@ -71,6 +94,7 @@ class RegistryChange:
         except MlflowException:
             self.client.create_registered_model(self.name, description="Agent RFT models (trained by agentrft).")
             self._undo.append(lambda: self.client.delete_registered_model(self.name))
+        tags = {**tags, "registration": "pending"}  # until `complete`: see the module docstring
         version = str(self.client.create_model_version(self.name, model_uri, run_id=run_id, tags=tags).version)
         self._undo.append(lambda: self.client.delete_model_version(self.name, version))
         return version
@@ -117,6 +141,31 @@ def rollback_champion(client: Any, name: str, to_version: str | None = None) -> 
     return current, target
 
 
+def register_candidate(
+    client: Any, name: str, model_uri: str, run_id: str, tags: dict[str, str], *, passed: bool, reasons: list[str]
+) -> tuple[str, str | None, str]:
+    """New version (alias `challenger`), `champion` when the gates passed; all or nothing.
+    Returns the version, the champion it replaced (if any) and the decision in words."""
+    with RegistryChange(client, name) as change:
+        version = change.register(model_uri, run_id, tags)
+        change.set_alias("challenger", version)
+        previous = None
+        if passed:
+            previous = alias_version(client, name, "champion")
+            if previous is not None:
+                change.set_tag(version, "previous_champion", previous)
+            change.set_tag(version, "champion_reason", "every regression gate passed")
+            change.set_alias("champion", version)
+            decision = f"promoted: version {version} is champion" + (
+                f" (was version {previous})" if previous else " (first champion)")
+        else:
+            reason = "; ".join(reasons)
+            change.set_tag(version, "not_promoted_reason", reason[:5000])
+            decision = f"not promoted: version {version} stays challenger; {reason}"
+        change.set_tag(version, "registration", "complete")
+    return version, previous, decision
+
+
 @task(name="promotion", persist_result=True, cache_key_fn=lambda _ctx, params: params["stage_key"])
 def promotion(
     config: PipelineConfig, ctx: RunContext, stage_key: str, *, candidate: dict[str, Any], evaluation: dict[str, Any]
@@ -124,6 +173,9 @@ def promotion(
     """Register the candidate as `challenger`; make it `champion` if every gate passed."""
     name = config.promotion.registered_model
     with stage_run(ctx, STAGE, config) as (client, run_id):
+        removed = remove_pending(client, name)
+        if removed:
+            client.set_tag(run_id, "removed_pending_versions", ",".join(removed))
         gain = evaluation["score_gain"]
         tags = {
             "pipeline_run_id": ctx.parent_run_id,
@@ -134,22 +186,10 @@ def promotion(
             "eval_score_gain_ci95": f"[{gain['low']:.4f}, {gain['high']:.4f}]",
             "gates_passed": str(evaluation["passed"]).lower(),
         }
-        with RegistryChange(client, name) as change:
-            version = change.register(candidate["model_uri"], run_id, tags)
-            change.set_alias("challenger", version)
-            if evaluation["passed"]:
-                previous = alias_version(client, name, "champion")
-                if previous is not None:
-                    change.set_tag(version, "previous_champion", previous)
-                change.set_tag(version, "champion_reason", "every regression gate passed")
-                change.set_alias("champion", version)
-                decision = f"promoted: version {version} is champion" + (
-                    f" (was version {previous})" if previous else " (first champion)")
-            else:
-                previous = None
-                reason = "; ".join(evaluation["reasons"])
-                change.set_tag(version, "not_promoted_reason", reason[:5000])
-                decision = f"not promoted: version {version} stays challenger; {reason}"
+        version, previous, decision = register_candidate(
+            client, name, candidate["model_uri"], run_id, tags, passed=evaluation["passed"],
+            reasons=evaluation["reasons"],
+        )
         client.set_tag(run_id, "decision", decision[:5000])
         client.set_tag(run_id, "registered_version", version)
         result = {"run_id": run_id, "registered_model": name, "version": version,
