@@ -35,7 +35,12 @@ from tasks.promote import (
     rollback_champion,
     set_champion,
 )
-from tasks.tracking import close_pipeline_run, open_pipeline_run, resolve_tracking_uri
+from tasks.tracking import (
+    close_pipeline_run,
+    mlflow_client,
+    open_pipeline_run,
+    resolve_tracking_uri,
+)
 from tasks.train import rft_training
 from tasks.validate import validate_data
 from tasks.versioning import STAGES, data_version, git_commit, stage_key
@@ -66,12 +71,10 @@ class PipelineStopped(AgentRFTError):
 def _champion_to_beat(tracking_uri: str, name: str, candidate_uri: str | None) -> dict[str, Any] | None:
     """The current champion, unless it *is* this candidate (promoted by an earlier run of
     the same stages): then the champion it was compared with, so the cache key is stable."""
-    from mlflow import MlflowClient
-
     champion = current_champion(tracking_uri, name)
     if champion is None or candidate_uri is None:
         return champion
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = mlflow_client(tracking_uri)
     version = client.get_model_version(name, champion["version"])
     if version.source != candidate_uri:
         return champion
@@ -198,9 +201,7 @@ def promote_model(
 ) -> dict[str, Any]:
     """Promote a registered version (or alias) to `champion`, or roll `champion` back
     (to `version_or_alias` when it names a version, else to the previous champion)."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
+    client = mlflow_client(resolve_tracking_uri(tracking_uri))
     logger = get_run_logger()
     target = version_or_alias or ("challenger" if action == "promote" else "")
     if target and not target.isdigit():

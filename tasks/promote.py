@@ -23,7 +23,7 @@ from typing import Any
 
 from prefect import task
 
-from tasks.tracking import RunContext, log_json, publish_summary, stage_run
+from tasks.tracking import RunContext, fluent_store, log_json, publish_summary, stage_run
 from tasks.versioning import STAGES
 from trainer.config import PipelineConfig
 from trainer.errors import ConfigError
@@ -42,9 +42,9 @@ def alias_version(client: Any, name: str, alias: str) -> str | None:
 
 
 def current_champion(tracking_uri: str, name: str) -> dict[str, Any] | None:
-    from mlflow import MlflowClient
+    from tasks.tracking import mlflow_client
 
-    version = alias_version(MlflowClient(tracking_uri=tracking_uri), name, "champion")
+    version = alias_version(mlflow_client(tracking_uri), name, "champion")
     return {"version": version, "uri": f"models:/{name}/{version}"} if version else None
 
 
@@ -186,10 +186,12 @@ def promotion(
             "eval_score_gain_ci95": f"[{gain['low']:.4f}, {gain['high']:.4f}]",
             "gates_passed": str(evaluation["passed"]).lower(),
         }
-        version, previous, decision = register_candidate(
-            client, name, candidate["model_uri"], run_id, tags, passed=evaluation["passed"],
-            reasons=evaluation["reasons"],
-        )
+        # MLflow resolves a `models:/m-...` source through the fluent store, not the client's.
+        with fluent_store(ctx.tracking_uri):
+            version, previous, decision = register_candidate(
+                client, name, candidate["model_uri"], run_id, tags, passed=evaluation["passed"],
+                reasons=evaluation["reasons"],
+            )
         client.set_tag(run_id, "decision", decision[:5000])
         client.set_tag(run_id, "registered_version", version)
         result = {"run_id": run_id, "registered_model": name, "version": version,

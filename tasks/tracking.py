@@ -36,6 +36,24 @@ def resolve_tracking_uri(uri: str) -> str:
     return uri
 
 
+def mlflow_client(uri: str) -> Any:
+    """A client bound to one store for runs *and* registry: MLflow's defaults read
+    process-wide state (`set_tracking_uri`, `MLFLOW_REGISTRY_URI`) that other code may set."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+@contextmanager
+def fluent_store(uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API at `uri` for a block, then restore what was there before
+    (`set_tracking_uri` also exports MLFLOW_TRACKING_URI to every later subprocess)."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(uri):
+        yield
+
+
 @dataclass(frozen=True)
 class RunContext:
     """What every stage needs to record into the pipeline's MLflow runs."""
@@ -51,9 +69,7 @@ class RunContext:
     mlflow_ui_url: str
 
     def client(self) -> Any:
-        from mlflow import MlflowClient
-
-        return MlflowClient(tracking_uri=self.tracking_uri)
+        return mlflow_client(self.tracking_uri)
 
     def tags(self) -> dict[str, str]:
         return {
@@ -79,10 +95,8 @@ def _prefect_run() -> tuple[str, str]:
 
 def open_pipeline_run(config: PipelineConfig, *, data_md5: str, git_commit: str) -> RunContext:
     """Create the parent run (experiment on first use), tagged and with the config as params."""
-    from mlflow import MlflowClient
-
     tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = mlflow_client(tracking_uri)
     experiment = client.get_experiment_by_name(config.mlflow.experiment)
     experiment_id = (
         experiment.experiment_id if experiment else client.create_experiment(config.mlflow.experiment)
@@ -212,9 +226,8 @@ def log_transformers_model(ctx: RunContext, run_id: str, model_dir: Path, name: 
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    mlflow.set_tracking_uri(ctx.tracking_uri)
     # The run is named explicitly and ended at once: the fluent run is this thread's only.
-    with mlflow.start_run(run_id=run_id):
+    with fluent_store(ctx.tracking_uri), mlflow.start_run(run_id=run_id):
         info = mlflow.transformers.log_model(
             transformers_model={"model": model, "tokenizer": tokenizer},
             task="text-generation",

@@ -56,16 +56,19 @@ def resolve_model_uri(uri: str, *, cache_dir: Path | None = None, tracking_uri: 
     import shutil
 
     import mlflow
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
-        mlflow.set_registry_uri(tracking_uri)
+    store = tracking_uri or mlflow.get_tracking_uri()
     # Aliases move and registries differ: one folder per (store, uri), fetched afresh.
-    key = hashlib.sha256(f"{mlflow.get_tracking_uri()}|{uri}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{store}|{uri}".encode()).hexdigest()[:16]
     target = Path(cache_dir or Path.home() / ".cache/agentrft/models") / key
     shutil.rmtree(target, ignore_errors=True)
     try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(target)))
+        # The store is named for this call only (a `models:/m-...` source resolves through the
+        # fluent store): the process may work with other stores.
+        with _use_tracking_uri(store):
+            local = Path(mlflow.artifacts.download_artifacts(
+                artifact_uri=uri, dst_path=str(target), tracking_uri=store, registry_uri=store))
     except Exception as exc:  # MLflow raises its own exception types for unknown models
         raise ConfigError(f"model {uri!r} could not be downloaded from the MLflow registry: {exc}") from exc
     configs = sorted(local.rglob("config.json"), key=lambda p: len(p.parts))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mlflow import MlflowClient
 
 from flows.openai_job import config_from_openai_job
+from tasks.tracking import mlflow_client
 from tests.pipeline_world import micro
 from trainer.errors import ConfigError
 
@@ -91,7 +91,7 @@ def test_openai_job_runs_as_the_pipeline(harness, world, endpoints, taught_model
     assert main(["run", "--openai-job", str(job), "--config", str(world / "job-base.yaml")]) == 0
     out = capsys.readouterr()
     assert "outcome: promoted" in out.out, out
-    client = MlflowClient(base["mlflow"]["tracking_uri"])
+    client = mlflow_client(base["mlflow"]["tracking_uri"])
     version = client.get_model_version_by_alias("openai-job", "champion")
     parent = client.get_run(version.tags["pipeline_run_id"])
     assert parent.data.params["grader.type"] == "multi"

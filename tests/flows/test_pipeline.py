@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mlflow import MlflowClient
 
 from envs.finqa.generate import generate_dataset
+from tasks.tracking import mlflow_client
 from tests.pipeline_world import micro, pin
 
 pytestmark = pytest.mark.integration
@@ -25,7 +25,13 @@ pytestmark = pytest.mark.integration
 STAGE_NAMES = ["validate_data", "baseline", "prompt_optimization", "rft_training", "regression_eval", "promotion"]
 
 
-def _stage_runs(client: MlflowClient, parent_run_id: str) -> dict:
+def _own_store(world: Path) -> dict:
+    """These tests count runs and versions: a store of their own, so stages that other
+    tests of the session ran are not served to them from cache."""
+    return {"tracking_uri": f"sqlite:///{world / 'pipeline-tests.db'}", "experiment": "micro"}
+
+
+def _stage_runs(client, parent_run_id: str) -> dict:
     runs = client.search_runs(
         [client.get_run(parent_run_id).info.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
@@ -37,14 +43,14 @@ def _stage_runs(client: MlflowClient, parent_run_id: str) -> dict:
 def first_run(harness, world, endpoints, taught_model):
     from flows.pipeline import agent_rft_pipeline, pipeline_parameters
 
-    config = micro(world, endpoints, taught_model)
+    config = micro(world, endpoints, taught_model, mlflow=_own_store(world))
     outcome = agent_rft_pipeline(**pipeline_parameters(config))
     return config, outcome
 
 
 def test_first_run_records_six_stages_and_promotes(first_run):
     config, outcome = first_run
-    client = MlflowClient(config.mlflow.tracking_uri)
+    client = mlflow_client(config.mlflow.tracking_uri)
     assert outcome["outcome"] == "promoted", outcome
     stages = _stage_runs(client, outcome["parent_run_id"])
     assert sorted(stages) == sorted(STAGE_NAMES)
@@ -84,7 +90,7 @@ def test_unchanged_second_run_is_served_from_cache(first_run, world, endpoints, 
     again = agent_rft_pipeline(**pipeline_parameters(config))
     assert all(stage["cached"] for stage in again["stages"].values()), again["stages"]
     assert [s["run_id"] for s in again["stages"].values()] == [s["run_id"] for s in first["stages"].values()]
-    client = MlflowClient(config.mlflow.tracking_uri)
+    client = mlflow_client(config.mlflow.tracking_uri)
     assert _stage_runs(client, again["parent_run_id"]) == {}
     assert client.get_run(again["parent_run_id"]).data.tags["stage.rft_training.cached"] == "true"
     assert len(client.search_model_versions("name = 'micro-agent'")) == 1
@@ -94,12 +100,12 @@ def test_worse_candidate_is_never_champion_and_rollback_works(first_run, world, 
     from flows.pipeline import agent_rft_pipeline, pipeline_parameters, promote_model
 
     config, first = first_run
-    worse = micro(world, endpoints, taught_model, training={"learning_rate": 3.0, "ppo_epochs": 4})
+    worse = micro(world, endpoints, taught_model, mlflow=_own_store(world), training={"learning_rate": 3.0, "ppo_epochs": 4})
     outcome = agent_rft_pipeline(**pipeline_parameters(worse))
     cached = {name for name, stage in outcome["stages"].items() if stage["cached"]}
     assert cached == {"validate_data", "baseline", "prompt_optimization"}
     assert outcome["outcome"] == "not_promoted", outcome
-    client = MlflowClient(config.mlflow.tracking_uri)
+    client = mlflow_client(config.mlflow.tracking_uri)
     assert str(client.get_model_version_by_alias("micro-agent", "champion").version) == "1"
     assert str(client.get_model_version_by_alias("micro-agent", "challenger").version) == "2"
     assert client.get_model_version("micro-agent", "2").tags["not_promoted_reason"]
@@ -120,14 +126,14 @@ def test_drifted_data_stops_at_validation(harness, world, endpoints, taught_mode
     drifted = world / "drifted"
     generate_dataset(drifted, seed=0, drift=True)
     pin(drifted, world / "drifted.dvc")
-    config = micro(world, endpoints, taught_model, data={
+    config = micro(world, endpoints, taught_model, mlflow=_own_store(world), data={
         "data_dir": str(drifted), "dvc_file": str(world / "drifted.dvc"), "train_file": str(drifted / "train.jsonl"),
         "eval_file": str(drifted / "eval.jsonl")})
     state = agent_rft_pipeline(**pipeline_parameters(config), return_state=True)
     assert state.is_failed()
     with pytest.raises(Exception, match="validate_data: .* failed checks"):
         state.result()
-    client = MlflowClient(config.mlflow.tracking_uri)
+    client = mlflow_client(config.mlflow.tracking_uri)
     parent = client.search_runs([client.get_experiment_by_name("micro").experiment_id],
                                 filter_string="tags.stopped_at = 'validate_data'")[0]
     assert parent.info.status == "FAILED"
@@ -140,12 +146,12 @@ def test_drifted_data_stops_at_validation(harness, world, endpoints, taught_mode
 def test_failed_baseline_gate_stops_with_its_reason(harness, world, endpoints, taught_model):
     from flows.pipeline import agent_rft_pipeline, pipeline_parameters
 
-    config = micro(world, endpoints, taught_model, baseline={"k": 2, "min_nonzero_share": 1.0, "min_headroom": 0.9})
+    config = micro(world, endpoints, taught_model, mlflow=_own_store(world), baseline={"k": 2, "min_nonzero_share": 1.0, "min_headroom": 0.9})
     state = agent_rft_pipeline(**pipeline_parameters(config), return_state=True)
     assert state.is_failed()
     with pytest.raises(Exception, match="baseline gate failed: .*headroom|baseline gate failed: .*GRPO"):
         state.result()
-    client = MlflowClient(config.mlflow.tracking_uri)
+    client = mlflow_client(config.mlflow.tracking_uri)
     parent = client.search_runs([client.get_experiment_by_name("micro").experiment_id],
                                 filter_string="tags.stopped_at = 'baseline'")[0]
     assert sorted(_stage_runs(client, parent.info.run_id)) == ["baseline"]  # validation came from cache

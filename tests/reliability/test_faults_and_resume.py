@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mlflow import MlflowClient
 
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import local_tool_endpoints
+from tasks.tracking import mlflow_client
 from tests.pipeline_world import micro
 from tests.taught_model import OUTPUT_CHARS
 from trainer.bootstrap import read_items
@@ -89,7 +89,7 @@ def test_sigkilled_training_resumes_to_the_same_metrics(world, endpoints, taught
                                                               "checkpoint_interval": 1, "eval_interval": 3})
     config_file = world / "resume.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    client = MlflowClient(config.mlflow.tracking_uri)
+    client = mlflow_client(config.mlflow.tracking_uri)
     experiment = client.create_experiment("resume-test")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 

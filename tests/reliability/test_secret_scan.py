@@ -10,8 +10,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
 
+from tasks.tracking import mlflow_client
 from tests.pipeline_world import micro
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,9 @@ def test_planted_header_secret_appears_nowhere(harness, world, endpoints, taught
                 for e in endpoints]
     work = world / "secret-runs"
     config = micro(world, endpoints, taught_model, name="secret-scan", work_dir=str(work), tools={"endpoints": declared},
-                   training={"learning_rate": 1e-6})
+                   training={"learning_rate": 1e-6},
+                   # a store of its own: no stage may come from another test's cache
+                   mlflow={"tracking_uri": f"sqlite:///{world / 'secret-scan.db'}"})
     outcome = agent_rft_pipeline(**pipeline_parameters(config))
     assert outcome["outcome"] in ("promoted", "not_promoted")
     needle = secret.encode()
@@ -42,7 +44,7 @@ def test_planted_header_secret_appears_nowhere(harness, world, endpoints, taught
     # MLflow: the store file holds params, tags, metrics, inputs and the registry
     store = Path(config.mlflow.tracking_uri.removeprefix("sqlite:///"))
     assert needle not in store.read_bytes()
-    client = MlflowClient(config.mlflow.tracking_uri)
+    client = mlflow_client(config.mlflow.tracking_uri)
     parent = client.get_run(outcome["parent_run_id"])
     runs = [parent] + client.search_runs([parent.info.experiment_id],
                                          filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")

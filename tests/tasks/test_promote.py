@@ -10,6 +10,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tasks.promote import alias_version, register_candidate, remove_pending, rollback_champion
+from tasks.tracking import mlflow_client
 
 NAME = "safety-agent"
 MUTATIONS = ("create_registered_model", "create_model_version", "set_registered_model_alias",
@@ -24,7 +25,7 @@ class CrashingClient(MlflowClient):
     """A real client whose n-th registry write raises (as a failure midway would)."""
 
     def __init__(self, tracking_uri: str, crash_at: int):
-        super().__init__(tracking_uri=tracking_uri)
+        super().__init__(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         self.crash_at, self.writes = crash_at, 0
         for method in MUTATIONS:
             real = getattr(self, method)
@@ -61,7 +62,7 @@ def _register(client, source, *, passed: bool):
 @pytest.mark.parametrize("passed", [True, False])
 def test_a_failure_at_any_write_leaves_the_registry_as_it_was(store, passed):
     uri, source = store
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     _register(client, source, passed=True)  # version 1, champion
     before = _state(client)
     crash_at = 1
@@ -84,7 +85,7 @@ def test_a_failure_at_any_write_leaves_the_registry_as_it_was(store, passed):
 
 def test_a_killed_promotion_is_cleaned_up_by_the_next(store):
     uri, source = store
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     _register(client, source, passed=True)  # version 1, champion
     # What a process killed right after moving `champion` leaves: a pending version 2.
     pending = client.create_model_version(NAME, source, tags={"registration": "pending", "previous_champion": "1"})
@@ -100,7 +101,7 @@ def test_a_killed_promotion_is_cleaned_up_by_the_next(store):
 
 def test_rollback_follows_previous_champion(store):
     uri, source = store
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     _register(client, source, passed=True)
     second, previous, _ = _register(client, source, passed=True)
     assert previous == "1" and alias_version(client, NAME, "champion") == second

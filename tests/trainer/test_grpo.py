@@ -126,14 +126,13 @@ def _comparable(row: dict) -> dict:
 @pytest.fixture(scope="module")
 def two_step_run(world: Path, endpoints: list[ToolEndpoint], taught_model: Path):
     """The uninterrupted 2-step run, through the CLI entry point, logging to MLflow."""
-    from mlflow import MlflowClient
-
+    from tasks.tracking import mlflow_client
     from trainer.train_cli import main
 
     config = micro_config(world, endpoints)
     config_file = world / "micro.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    client = MlflowClient(config.mlflow.tracking_uri)
+    client = mlflow_client(config.mlflow.tracking_uri)
     run_id = client.create_run(client.create_experiment("grpo-test")).info.run_id
     out = world / "run"
     code = main(["--config", str(config_file), "--model", str(taught_model), "--output-dir", str(out),
