@@ -124,42 +124,16 @@ def _model_bootstrap(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from trainer.bootstrap import read_items, resolve_base_model
+    from tasks.rollout_eval import eval_items, evaluate_model
+    from trainer.bootstrap import resolve_base_model
     from trainer.config import load_config
-    from trainer.evaluate import run_evaluation, write_outputs
-    from trainer.policy import load_policy
-    from trainer.rollout import RolloutSettings
+    from trainer.evaluate import write_outputs
 
     config = load_config(args.config)
-    from tasks.tracking import resolve_tracking_uri
-    from trainer.model_server import resolve_model_uri
-
-    model = resolve_model_uri(args.model or resolve_base_model(config),
-                              tracking_uri=resolve_tracking_uri(config.mlflow.tracking_uri))
-    policy = load_policy(model, device=config.model.device, dtype=config.model.dtype)
-    items = read_items(Path(config.data.eval_file), args.max_items or config.baseline.max_items)
-    settings = RolloutSettings.from_config(config.rollout, config.penalties)
-    k = args.k or config.baseline.k
-    backend = policy.backend(
-        max_slots=config.rollout.max_concurrent_rollouts,
-        max_len=config.rollout.max_total_tokens,
-        seed=config.baseline.seed,
-    )
-    tool_options = {
-        "timeout_s": config.tools.timeout_s,
-        "max_retries": config.tools.max_retries,
-        "max_output_chars": config.tools.max_output_chars,
-        "max_concurrency_per_endpoint": config.tools.max_concurrency_per_endpoint,
-        "allowed_hosts": config.tools.allowed_hosts,
-    }
-    from tasks.rollout_eval import tool_endpoints
-
-    with tool_endpoints(config) as endpoints:
-        summary, records = run_evaluation(
-            backend, policy.tokenizer, items, k=k, endpoints=endpoints, grader=config.grader,
-            settings=settings, tool_options=tool_options,
-            max_concurrent=config.rollout.max_concurrent_rollouts,
-        )
+    model = args.model or resolve_base_model(config)
+    items = eval_items(config, args.max_items or config.baseline.max_items)
+    summary, records = evaluate_model(config, model, items, k=args.k or config.baseline.k,
+                                      seed=config.baseline.seed, prefix="eval")
     paths = write_outputs(summary, records, Path(args.out))
     _print_summary(summary)
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
