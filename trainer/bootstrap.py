@@ -39,18 +39,18 @@ import torch
 from trainer.chat_format import assistant_turn_end, continuation_text
 from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 
-BOOTSTRAP_VERSION = "3"
+BOOTSTRAP_VERSION = "4"
 
 
 @dataclass
 class ScriptedPolicy:
     """How the demonstrator browses; each probability is per item (or per page)."""
 
-    list_company: float = 0.5  # `list reports/<TICKER>` before searching
-    list_year: float = 0.4  # `list reports/<TICKER>/<YEAR>` before reading a page
-    wrong_page_first: float = 0.3  # open a plausible wrong page before the right one
+    list_company: float = 0.4  # `list reports/<TICKER>` before searching
     search_again: float = 0.3  # a second, redundant search
-    calculator: float = 0.6  # use the calculator for arithmetic (else answer directly)
+    list_year: float = 0.3  # `list reports/<TICKER>/<YEAR>` before reading a page
+    wrong_page_first: float = 0.3  # open a wrong page from the search results first
+    calculator: float = 0.85  # use the calculator for arithmetic (else answer directly)
 
 
 @dataclass
@@ -131,10 +131,41 @@ def _call(name: str, arguments: dict[str, Any], index: int) -> dict[str, Any]:
     }
 
 
+def _hit_paths(output: str) -> list[str]:
+    return [line.split(" | ")[0].strip() for line in output.splitlines() if " | " in line]
+
+
+def _table_lines(page: str, needs: Sequence[str]) -> list[str]:
+    """The page's table header and the rows of the line items `needs`, as written."""
+    lines = page.splitlines()
+    header = [line for line in lines if line.startswith("(in $ millions)")]
+    rows = [line for line in lines if " | " in line and line.split(" | ")[0] in needs]
+    return header[:1] + rows
+
+
+def _cut(value_text: str) -> str:
+    """A calculator result as the demonstrator writes it: cut (not rounded, which a copy
+    can do) to 2 decimals, or 4 when it is below 1."""
+    if "." not in value_text or "e" in value_text.lower():
+        return value_text
+    whole, decimals = value_text.split(".")
+    keep = 4 if whole.lstrip("-") == "0" else 2
+    return f"{whole}.{decimals[:keep]}".rstrip("0").rstrip(".")
+
+
 async def scripted_conversation(
     item: dict[str, Any], client: ToolClient, rng: random.Random, policy: ScriptedPolicy, system_prompt: str
-) -> list[dict[str, Any]]:
-    """One demonstration: the scripted policy solves `item` against the real tools."""
+) -> list[dict[str, Any]] | None:
+    """One demonstration: the scripted policy solves `item` against the real tools.
+
+    It opens only pages it has seen in a search result (a model cannot guess page
+    numbers), searches again for the company, year and line item when the question's
+    search missed a page, and before computing copies the table rows it uses (header and
+    rows, as on the page) into its message: copying whole lines is what a small model
+    learns first, and the expression then reads its numbers from right above it. None
+    when even the targeted search cannot show a needed page (a few items)."""
+    from envs.finqa.generate import LINE_ITEMS
+
     messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}, *item["messages"]]
     trace_id = new_trace_id()
     n_calls = 0
@@ -151,28 +182,39 @@ async def scripted_conversation(
         return result.output
 
     ticker, gold_pages = item["ticker"], list(item["gold_pages"])
+    named = [a for a in LINE_ITEMS if a in item["question"]]
     if rng.random() < policy.list_company:
         await act("list", {"path": f"reports/{ticker}"})
-    hits = await act("search", {"query": item["question"]})
+    seen = _hit_paths(await act("search", {"query": item["question"]}))
     if rng.random() < policy.search_again:
-        await act("search", {"query": f"{ticker} {item['year']} annual report"})
-    found = [line.split(" | ")[0].strip() for line in hits.splitlines() if " | " in line]
+        seen += _hit_paths(await act("search", {"query": f"{ticker} {item['year']} annual report"}))
+    notes: list[str] = []
     for gold in gold_pages:
         year_dir = gold.rsplit("/", 1)[0]
-        if gold not in found or rng.random() < policy.list_year:
+        year = year_dir.rsplit("/", 1)[1]
+        if gold not in seen:
+            # the demonstrator knows which named line item this page holds (a peek, not a turn)
+            peek = await client.call("cat", json.dumps({"path": gold}), item=item, trace_id=new_trace_id())
+            on_page = [a for a in named if a in peek.output]
+            seen += _hit_paths(await act("search", {"query": f"{ticker} {year} {' '.join(on_page[:1])}".strip()}))
+            if gold not in seen:
+                return None
+        if rng.random() < policy.list_year:
             await act("list", {"path": year_dir})
-        if rng.random() < policy.wrong_page_first:
-            wrong = [p for p in found if p != gold and p not in gold_pages]
-            if not wrong:
-                page_no = int(gold.rsplit("_", 1)[1].split(".")[0])
-                wrong = [f"{year_dir}/page_{page_no % 10 + 1}.txt"]
+        wrong = [p for p in dict.fromkeys(seen) if p not in gold_pages]
+        if wrong and rng.random() < policy.wrong_page_first:
             await act("cat", {"path": rng.choice(wrong)})
-        await act("cat", {"path": gold})
+        page = await act("cat", {"path": gold})
+        notes += _table_lines(page, named)
+    note = "\n".join(notes)
     percent = item["reference_answer"].endswith("%")
     expression = program_expression(item["program"], percent=percent)
+    answer = item["reference_answer"]
     if expression is not None and rng.random() < policy.calculator:
-        await act("calculator", {"expression": expression})
-    messages.append({"role": "assistant", "content": f"Answer: {item['reference_answer']}"})
+        result = await act("calculator", {"expression": expression}, content=note)
+        answer = _cut(result.strip()) + ("%" if percent else "")
+        note = ""
+    messages.append({"role": "assistant", "content": f"{note}\nAnswer: {answer}".strip()})
     return messages
 
 
@@ -199,7 +241,7 @@ async def collect_demonstrations(
                 return await scripted_conversation(item, client, rng, policy, system_prompt)
 
         jobs = [one(i, item, k) for i, item in enumerate(items) for k in range(demos_per_item)]
-        return list(await asyncio.gather(*jobs))
+        return [demo for demo in await asyncio.gather(*jobs) if demo is not None]
 
 
 # --- 3. supervised warm start ---------------------------------------------------------
