@@ -39,7 +39,7 @@ import torch
 from trainer.chat_format import assistant_turn_end, continuation_text
 from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 
-BOOTSTRAP_VERSION = "4"
+BOOTSTRAP_VERSION = "5"
 
 
 @dataclass
@@ -51,6 +51,7 @@ class ScriptedPolicy:
     list_year: float = 0.3  # `list reports/<TICKER>/<YEAR>` before reading a page
     wrong_page_first: float = 0.3  # open a wrong page from the search results first
     calculator: float = 0.85  # use the calculator for arithmetic (else answer directly)
+    from_snippet: float = 0.3  # take a row from the search result's snippet instead of reading the page
 
 
 @dataclass
@@ -69,6 +70,7 @@ class BootstrapSettings:
     learning_rate: float = 3e-3
     warmup_steps: int = 30
     number_weight: float = 4.0
+    context_weight: float = 0.1
     seed: int = 0
     max_minutes: float = 10.0
     max_output_chars: int = 2000
@@ -135,12 +137,15 @@ def _hit_paths(output: str) -> list[str]:
     return [line.split(" | ")[0].strip() for line in output.splitlines() if " | " in line]
 
 
-def _table_lines(page: str, needs: Sequence[str]) -> list[str]:
-    """The page's table header and the rows of the line items `needs`, as written."""
-    lines = page.splitlines()
-    header = [line for line in lines if line.startswith("(in $ millions)")]
-    rows = [line for line in lines if " | " in line and line.split(" | ")[0] in needs]
-    return header[:1] + rows
+def _rows(text: str, needs: Sequence[str]) -> list[str]:
+    """The table rows (`label | this year | prior year`) of the line items `needs` in a
+    page or a search result, as written."""
+    rows = []
+    for line in text.splitlines():
+        row = line.split(" ... ")[-1]
+        if " | " in row and row.split(" | ")[0] in needs:
+            rows.append(row)
+    return rows
 
 
 def _cut(value_text: str) -> str:
@@ -160,10 +165,11 @@ async def scripted_conversation(
 
     It opens only pages it has seen in a search result (a model cannot guess page
     numbers), searches again for the company, year and line item when the question's
-    search missed a page, and before computing copies the table rows it uses (header and
-    rows, as on the page) into its message: copying whole lines is what a small model
-    learns first, and the expression then reads its numbers from right above it. None
-    when even the targeted search cannot show a needed page (a few items)."""
+    search missed a page, reads a page or sometimes takes the row straight from the search
+    result's snippet, and before computing writes down the rows it uses, each after its
+    report's year (`2021: net revenue | 3093 | 3000`): copying whole lines is what a small
+    model learns first, and the expression then takes its numbers from right above it.
+    None when even the targeted search cannot show a needed page (a few items)."""
     from envs.finqa.generate import LINE_ITEMS
 
     messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}, *item["messages"]]
@@ -181,31 +187,40 @@ async def scripted_conversation(
         messages.append({"role": "tool", "tool_call_id": call["id"], "content": result.output})
         return result.output
 
+    seen: dict[str, str] = {}  # page -> its line in a search result
+
+    async def search(query: str) -> None:
+        for line in (await act("search", {"query": query})).splitlines():
+            if " | " in line:
+                seen.setdefault(line.split(" | ")[0].strip(), line)
+
     ticker, gold_pages = item["ticker"], list(item["gold_pages"])
     named = [a for a in LINE_ITEMS if a in item["question"]]
     if rng.random() < policy.list_company:
         await act("list", {"path": f"reports/{ticker}"})
-    seen = _hit_paths(await act("search", {"query": item["question"]}))
+    await search(item["question"])
     if rng.random() < policy.search_again:
-        seen += _hit_paths(await act("search", {"query": f"{ticker} {item['year']} annual report"}))
+        await search(f"{ticker} {item['year']} annual report")
     notes: list[str] = []
     for gold in gold_pages:
         year_dir = gold.rsplit("/", 1)[0]
         year = year_dir.rsplit("/", 1)[1]
+        # the demonstrator knows which named line items this page holds (a peek, not a turn)
+        peek = await client.call("cat", json.dumps({"path": gold}), item=item, trace_id=new_trace_id())
+        needs = [a for a in named if _rows(peek.output, [a])]
         if gold not in seen:
-            # the demonstrator knows which named line item this page holds (a peek, not a turn)
-            peek = await client.call("cat", json.dumps({"path": gold}), item=item, trace_id=new_trace_id())
-            on_page = [a for a in named if a in peek.output]
-            seen += _hit_paths(await act("search", {"query": f"{ticker} {year} {' '.join(on_page[:1])}".strip()}))
+            await search(f"{ticker} {year} {needs[0] if needs else ''}".strip())
             if gold not in seen:
                 return None
-        if rng.random() < policy.list_year:
-            await act("list", {"path": year_dir})
-        wrong = [p for p in dict.fromkeys(seen) if p not in gold_pages]
-        if wrong and rng.random() < policy.wrong_page_first:
-            await act("cat", {"path": rng.choice(wrong)})
-        page = await act("cat", {"path": gold})
-        notes += _table_lines(page, named)
+        rows = _rows(seen[gold], needs)
+        if len(rows) < len(needs) or rng.random() >= policy.from_snippet:
+            if rng.random() < policy.list_year:
+                await act("list", {"path": year_dir})
+            wrong = [p for p in seen if p not in gold_pages]
+            if wrong and rng.random() < policy.wrong_page_first:
+                await act("cat", {"path": rng.choice(wrong)})
+            rows = _rows(await act("cat", {"path": gold}), needs)
+        notes += [f"{year}: {row}" for row in rows]
     note = "\n".join(notes)
     percent = item["reference_answer"].endswith("%")
     expression = program_expression(item["program"], percent=percent)
@@ -256,12 +271,15 @@ def encode_conversation(
     *,
     number_weight: float,
     copy_words: re.Pattern[str] = re.compile(r"(?!)"),
+    context_weight: float = 0.0,
 ) -> tuple[list[int], list[float]]:
     """Token ids and per-token loss weights, built piece by piece exactly as the rollout
     engine builds them (prompt, generated turn, tool outputs, ...), so the warm start sees
     the token boundaries the policy will see. Assistant tokens weigh 1, the digits they
     write (and the `copy_words` they copy, e.g. company tickers) weigh `number_weight`,
-    everything else 0."""
+    everything else (prompt, tool outputs) `context_weight`: a little language modelling
+    of the pages and results, whose lines repeat one another, teaches a model trained from
+    scratch to copy out of its context."""
     end = assistant_turn_end(tokenizer)
     ids: list[int] = []
     weights: list[float] = []
@@ -272,7 +290,7 @@ def encode_conversation(
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids.extend(encoded["input_ids"])
         if not trained:
-            weights.extend([0.0] * len(encoded["input_ids"]))
+            weights.extend([context_weight] * len(encoded["input_ids"]))
             return
         # Copies out of the context (numbers, company names) are what a small model learns
         # last; weighting them up is what makes it read the question and the pages.
@@ -460,7 +478,7 @@ def bootstrap_demo_model(
     examples = [
         encode_conversation(
             tokenizer, messages, tools, number_weight=settings.number_weight,
-            copy_words=re.compile("|".join(rf"\b{re.escape(t)}\b" for t in TICKERS)),
+            context_weight=settings.context_weight, copy_words=re.compile("|".join(rf"\b{re.escape(t)}\b" for t in TICKERS)),
         )
         for messages in demos
     ]

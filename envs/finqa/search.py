@@ -193,17 +193,24 @@ def corpus_md5(pages: Iterable[tuple[str, bytes]]) -> str:
 
 
 def best_snippet(text: str, query: str, width: int = SNIPPET_CHARS) -> str:
-    """The page's title line, plus the line sharing most words with the query when the
-    title alone shares none of them (titles say what a page holds; outputs stay short)."""
+    """The page's title line, plus the body line sharing most (alphabetic) words with the
+    query: a table row when one shares any (a reader scanning results sees the figure the
+    query names), else a sentence. Outputs stay short."""
     lines = [" ".join(line.split()) for line in text.splitlines()]
     lines = [line for line in lines if line]
     if not lines:
         return ""
-    words = set(_WORD.findall(query.lower()))
+    words = {w for w in _WORD.findall(query.lower()) if not w.isdigit()}
     title, body = lines[0], lines[1:]
-    if words & set(_WORD.findall(title.lower())):
-        return title if len(title) <= width else title[: width - 3] + "..."
-    best = max(body, key=lambda line: len(words & set(_WORD.findall(line.lower()))), default="")
+    table = [line for line in body if " | " in line][1:]  # the first is the column header
+
+    def shared(line: str) -> int:
+        return len(words & set(_WORD.findall(line.lower())))
+
+    best = max(table, key=shared, default="")
+    if not best or shared(best) == 0:
+        best = max(body, key=shared, default="")
+        best = best if best and shared(best) > 0 else ""
     snippet = f"{title} ... {best}" if best else title
     return snippet if len(snippet) <= width else snippet[: width - 3] + "..."
 
