@@ -39,7 +39,7 @@ import torch
 from trainer.chat_format import assistant_turn_end, continuation_text
 from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 
-BOOTSTRAP_VERSION = "5"
+BOOTSTRAP_VERSION = "6"
 
 
 @dataclass
@@ -71,6 +71,7 @@ class BootstrapSettings:
     warmup_steps: int = 30
     number_weight: float = 4.0
     context_weight: float = 0.1
+    copy_share: float = 0.2  # share of warm-start steps spent on the copy curriculum
     seed: int = 0
     max_minutes: float = 10.0
     max_output_chars: int = 2000
@@ -344,6 +345,25 @@ def _pack(examples: list[tuple[list[int], list[float]]], rng: random.Random, tok
     yield from batches
 
 
+def copy_batch(
+    examples: list[tuple[list[int], list[float]]], rng: random.Random, tokens_per_batch: int
+) -> list[tuple[list[int], list[float]]]:
+    """A batch of the copy curriculum: spans of the demonstrations' own tokens, each said
+    twice (`span span`), with the loss on the repeat after its first token. Predicting a
+    repeat is what forms induction heads (attend to what followed the current token last
+    time, copy it): a tiny model trained on the demonstrations alone memorises their
+    templates long before it learns to copy a line item or a number out of its context,
+    and copying is all this task asks for."""
+    batch = []
+    while sum(len(ids) for ids, _ in batch) < tokens_per_batch:
+        ids, _ = examples[rng.randrange(len(examples))]
+        length = rng.randint(16, 64)
+        start = rng.randrange(max(1, len(ids) - length))
+        span = ids[start : start + length]
+        batch.append((span + span, [0.0] * (len(span) + 1) + [1.0] * (len(span) - 1)))
+    return batch
+
+
 def supervised_warm_start(
     model: torch.nn.Module,
     examples: list[tuple[list[int], list[float]]],
@@ -372,14 +392,18 @@ def supervised_warm_start(
     model.train()
     started = time.perf_counter()
     seen, step, epoch, loss_value, stopped_by = 0, 0, 0, float("nan"), "tokens"
+    copy_rng = random.Random(f"{settings.seed}/copy")
     while seen < settings.train_tokens:
-        for batch in _pack(examples, rng, settings.tokens_per_batch):
-            longest = max(len(examples[i][0]) for i in batch)
-            input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-            weights = torch.zeros((len(batch), longest))
-            attention = torch.zeros((len(batch), longest), dtype=torch.long)
-            for row, index in enumerate(batch):
-                ids, w = examples[index]
+        for packed in _pack(examples, rng, settings.tokens_per_batch):
+            if copy_rng.random() < settings.copy_share:
+                rows = copy_batch(examples, copy_rng, settings.tokens_per_batch)
+            else:
+                rows = [examples[i] for i in packed]
+            longest = max(len(ids) for ids, _ in rows)
+            input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+            weights = torch.zeros((len(rows), longest))
+            attention = torch.zeros((len(rows), longest), dtype=torch.long)
+            for row, (ids, w) in enumerate(rows):
                 input_ids[row, : len(ids)] = torch.tensor(ids)
                 weights[row, : len(w)] = torch.tensor(w)
                 attention[row, : len(ids)] = 1

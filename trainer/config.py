@@ -234,7 +234,15 @@ class TrainingConfig(Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="After warmup.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimiser step.")
+    mini_batches: int = Field(
+        1, ge=1, description="Optimiser updates per pass over a step's rollouts (PPO's mini-batches): "
+        "1, as in OpenAI's and TRL's default, makes one update of the whole batch; more take "
+        "smaller, more off-policy steps."
+    )
+    gradient_accumulation_steps: int | None = Field(
+        None, ge=1, description="Micro-batches per optimiser update; fixes the update size instead "
+        "of mini_batches."
+    )
     micro_batch_size: int = Field(8, ge=1, description="Rollouts per forward/backward.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters (merged at save).")

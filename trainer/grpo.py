@@ -30,8 +30,11 @@ One step of the algorithm:
    starting model (for LoRA: the base with adapters off). `train/kl` reports it, or, when
    kl_coef is 0, the same estimator of KL(old || new): how far the update moved.
 5. AdamW, linear warmup then a constant/linear/cosine schedule over the steps, gradient
-   clipping, and `gradient_accumulation_steps` micro-batches of `micro_batch_size`
-   rollouts per optimizer update (one update per pass when they cover the batch).
+   clipping. Each pass makes `mini_batches` optimizer updates (default 1: the whole
+   batch, as OpenAI's and TRL's defaults do), each accumulated over micro-batches of
+   `micro_batch_size` rollouts; `gradient_accumulation_steps` fixes the micro-batches per
+   update instead. (Eight updates a step at the same learning rate moved a tiny policy
+   eight times as far and off the rails in the TRL comparison.)
 
 Evaluation runs before the first step, every `eval_interval` steps and after the last:
 one sample per held-out item (`eval_samples` items) at the rollout temperature, with the
@@ -293,7 +296,7 @@ class GRPOTrainer:
         if mixed == "auto":
             mixed = "bf16" if torch.cuda.is_available() else "no"
         self.accelerator = acc = Accelerator(
-            mixed_precision=mixed, gradient_accumulation_steps=training.gradient_accumulation_steps
+            mixed_precision=mixed, gradient_accumulation_steps=training.gradient_accumulation_steps or 1
         )
         self.is_main = acc.is_main_process  # this process logs, saves and draws
         set_seed(training.seed)
@@ -583,7 +586,6 @@ class GRPOTrainer:
         """`ppo_epochs` passes of clipped policy-gradient updates over the rollouts that
         have an advantage; returns the step's training metrics."""
         acc, training = self.accelerator, self.config.training
-        accumulation = training.gradient_accumulation_steps
         chosen = [(r, a) for r, a in zip(records, advantages, strict=True) if a is not None]
         sums = torch.zeros(len(_STATS), device=acc.device)
         norms: list[float] = []
@@ -593,9 +595,13 @@ class GRPOTrainer:
             micro = [order[i : i + training.micro_batch_size] for i in range(0, len(order), training.micro_batch_size)]
             # Every process runs the same number of micro-batches, whole updates of them.
             most = int(acc.gather(torch.tensor([len(micro)], device=acc.device)).max())
-            n_micro = math.ceil(most / accumulation) * accumulation
-            if n_micro == 0:
+            if most == 0:
                 break  # no group varies on any process: nothing to learn from this batch
+            # micro-batches per optimiser update: the pass split into `mini_batches` updates
+            accumulation = training.gradient_accumulation_steps or math.ceil(most / training.mini_batches)
+            n_micro = math.ceil(most / accumulation) * accumulation
+            acc.gradient_accumulation_steps = accumulation
+            acc.step = 0  # accumulate() counts micro-batches from here
             micro += [[] for _ in range(n_micro - len(micro))]
             tokens = torch.tensor(
                 [float(sum(sum(r.gen_mask[1:]) for r, _ in batch)) for batch in micro], device=acc.device
