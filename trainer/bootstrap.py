@@ -39,7 +39,7 @@ import torch
 from trainer.chat_format import assistant_turn_end, continuation_text
 from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 
-BOOTSTRAP_VERSION = "6"
+BOOTSTRAP_VERSION = "7"
 
 
 @dataclass
@@ -47,11 +47,11 @@ class ScriptedPolicy:
     """How the demonstrator browses; each probability is per item (or per page)."""
 
     list_company: float = 0.4  # `list reports/<TICKER>` before searching
-    search_again: float = 0.3  # a second, redundant search
+    search_question: float = 0.3  # a first, redundant search with the whole question
     list_year: float = 0.3  # `list reports/<TICKER>/<YEAR>` before reading a page
     wrong_page_first: float = 0.3  # open a wrong page from the search results first
     calculator: float = 0.85  # use the calculator for arithmetic (else answer directly)
-    from_snippet: float = 0.3  # take a row from the search result's snippet instead of reading the page
+    from_snippet: float = 0.4  # take a row from the search result's snippet instead of reading the page
 
 
 @dataclass
@@ -164,13 +164,16 @@ async def scripted_conversation(
 ) -> list[dict[str, Any]] | None:
     """One demonstration: the scripted policy solves `item` against the real tools.
 
-    It opens only pages it has seen in a search result (a model cannot guess page
-    numbers), searches again for the company, year and line item when the question's
-    search missed a page, reads a page or sometimes takes the row straight from the search
-    result's snippet, and before computing writes down the rows it uses, each after its
-    report's year (`2021: net revenue | 3093 | 3000`): copying whole lines is what a small
-    model learns first, and the expression then takes its numbers from right above it.
-    None when even the targeted search cannot show a needed page (a few items)."""
+    For each report page the answer needs it searches `TICKER YEAR line item` (three short
+    copies out of the question, where the whole question is a long one a tiny model
+    garbles), opens only pages a search showed it (a model cannot guess page numbers) or
+    takes the row straight from the result's snippet, and before computing writes down the
+    rows it uses, each after its report's year (`2021: net revenue | 3093 | 3000`):
+    copying whole lines is what a small model learns first, and the expression then takes
+    its numbers from right above it. Its waste, for RL to remove: listing directories, a
+    first search with the whole question, a wrong page before the right one, reading a
+    page whose row the snippet already showed, and arithmetic without the calculator.
+    None when the search cannot show a needed page (a few items)."""
     from envs.finqa.generate import LINE_ITEMS
 
     messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}, *item["messages"]]
@@ -199,9 +202,8 @@ async def scripted_conversation(
     named = [a for a in LINE_ITEMS if a in item["question"]]
     if rng.random() < policy.list_company:
         await act("list", {"path": f"reports/{ticker}"})
-    await search(item["question"])
-    if rng.random() < policy.search_again:
-        await search(f"{ticker} {item['year']} annual report")
+    if rng.random() < policy.search_question:
+        await search(item["question"])
     notes: list[str] = []
     for gold in gold_pages:
         year_dir = gold.rsplit("/", 1)[0]
@@ -209,10 +211,12 @@ async def scripted_conversation(
         # the demonstrator knows which named line items this page holds (a peek, not a turn)
         peek = await client.call("cat", json.dumps({"path": gold}), item=item, trace_id=new_trace_id())
         needs = [a for a in named if _rows(peek.output, [a])]
+        if not needs:
+            return None
+        seen.pop(gold, None)  # look for it the direct way, whatever the question's search showed
+        await search(f"{ticker} {year} {needs[0]}")
         if gold not in seen:
-            await search(f"{ticker} {year} {needs[0] if needs else ''}".strip())
-            if gold not in seen:
-                return None
+            return None
         rows = _rows(seen[gold], needs)
         if len(rows) < len(needs) or rng.random() >= policy.from_snippet:
             if rng.random() < policy.list_year:
