@@ -39,7 +39,7 @@ import torch
 from trainer.chat_format import assistant_turn_end, continuation_text
 from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 
-BOOTSTRAP_VERSION = "7"
+BOOTSTRAP_VERSION = "8"
 
 
 @dataclass
@@ -473,7 +473,7 @@ def bootstrap_demo_model(
     log: Any = print,
 ) -> Path:
     """Build (or reuse) the demo base model; returns its directory."""
-    from envs.finqa.generate import TICKERS
+    from envs.finqa.generate import LINE_ITEMS, TICKERS
     from envs.finqa.server import create_app, serve_in_thread
     from envs.finqa.tool_schemas import TOOL_NAMES
     from trainer.modeling import build_model, count_parameters, tiny_config
@@ -503,10 +503,12 @@ def bootstrap_demo_model(
             )
         )
     demo_seconds = time.perf_counter() - started
+    # What the assistant copies out of the question: the company and the line items.
+    copy_words = re.compile("|".join(rf"\b{re.escape(word)}\b" for word in [*TICKERS, *LINE_ITEMS]))
     examples = [
         encode_conversation(
             tokenizer, messages, tools, number_weight=settings.number_weight,
-            context_weight=settings.context_weight, copy_words=re.compile("|".join(rf"\b{re.escape(t)}\b" for t in TICKERS)),
+            context_weight=settings.context_weight, copy_words=copy_words,
         )
         for messages in demos
     ]
