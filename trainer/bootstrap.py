@@ -65,7 +65,7 @@ class BootstrapSettings:
     max_position_embeddings: int = 2048
     demos_per_item: int = 2
     max_items: int | None = None
-    train_tokens: int = 4_000_000
+    train_tokens: int = 6_000_000
     tokens_per_batch: int = 3072
     learning_rate: float = 3e-3
     warmup_steps: int = 30
