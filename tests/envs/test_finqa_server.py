@@ -17,7 +17,7 @@ import pytest
 
 from envs.finqa.calculator import evaluate
 from envs.finqa.faults import Fault, FaultConfig, FaultInjector
-from envs.finqa.search import SearchIndex
+from envs.finqa.search import PATH_WORD_BOOST, SearchIndex
 from envs.finqa.server import TraceStore, create_app, serve_in_thread
 
 pytestmark = pytest.mark.integration
@@ -422,3 +422,25 @@ def test_index_cache_is_keyed_by_corpus_md5(corpus, index, tmp_path):
     norms = np.linalg.norm(index.embeddings, axis=1)
     np.testing.assert_allclose(norms, 1.0, atol=1e-5)
     assert index.embeddings.dtype == np.float32 and index.embeddings.shape == (len(PAGES), 384)
+
+
+def test_search_prefers_the_company_and_year_the_query_names_and_shows_the_row(tmp_path) -> None:
+    # Four pages that differ only in company and year: cosine alone can barely tell them apart.
+    def page(ticker: str, year: int) -> str:
+        return (f"{ticker} {year} annual report - consolidated statements of operations\n"
+                f"The results of {ticker} are summarized below.\n\n(in $ millions) | {year} | {year - 1}\n"
+                f"net revenue | {year - 1900} | {year - 1901}\ncost of revenue | 50 | 40\n")
+
+    pages = [(f"reports/{t}/{y}/page_1.txt", page(t, y)) for t in ("ACME", "BRIX") for y in (2020, 2021)]
+    index = SearchIndex.from_pages(pages, cache_dir=tmp_path)
+    for ticker in ("ACME", "BRIX"):
+        for year in (2020, 2021):
+            hit = index.search(f"{ticker} {year} net revenue", top_k=1)[0]
+            assert hit.path == f"reports/{ticker}/{year}/page_1.txt"
+            assert hit.snippet.endswith(f"net revenue | {year - 1900} | {year - 1901}")
+    # the boost itself: each directory name the query says adds PATH_WORD_BOOST to the cosine
+    query = "ACME 2021 net revenue"
+    cosine = dict(zip(index.paths, (index.embeddings @ index._queries.encode(query)).tolist(), strict=True))
+    for hit in index.search(query, top_k=4):
+        named = ("/ACME/" in hit.path) + ("/2021/" in hit.path)
+        assert hit.score == pytest.approx(cosine[hit.path] + named * PATH_WORD_BOOST, abs=1e-5)

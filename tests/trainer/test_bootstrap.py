@@ -107,3 +107,29 @@ def test_encoding_trains_only_assistant_tokens_and_weights_copies(demos) -> None
     heavy = tokenizer.decode([t for t, w in zip(ids, weights, strict=True) if w == 4.0])
     assert item["ticker"] in heavy
     assert set(heavy.replace(item["ticker"], "")) <= set("0123456789.-%,")
+
+
+def test_copy_batch_repeats_a_span_and_trains_only_the_repeat() -> None:
+    import random
+
+    from trainer.bootstrap import copy_batch
+
+    examples = [(list(range(100, 400)), [1.0] * 300), (list(range(500, 540)), [1.0] * 40)]
+    batch = copy_batch(examples, random.Random(0), tokens_per_batch=500)
+    assert sum(len(ids) for ids, _ in batch) >= 500
+    for ids, weights in batch:
+        half = len(ids) // 2
+        assert ids[:half] == ids[half:] and len(weights) == len(ids)
+        # the first half and the repeat's first token are unpredictable: no loss there
+        assert weights == [0.0] * (half + 1) + [1.0] * (half - 1)
+
+
+@pytest.mark.parametrize(
+    ("result", "written"),
+    [("37.2453928225", "37.24"), ("0.372453928", "0.3724"), ("-70.1", "-70.1"), ("8", "8"), ("12.5", "12.5"),
+     ("-0.0512345", "-0.0512"), ("1e-05", "1e-05")],
+)
+def test_calculator_results_are_cut_not_rounded(result: str, written: str) -> None:
+    from trainer.bootstrap import _cut
+
+    assert _cut(result) == written
