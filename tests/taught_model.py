@@ -84,7 +84,8 @@ def teach_model(items_files: list[Path], corpus_dir: Path, endpoints: list[ToolE
     )
     total = sum(len(ids) for ids, _ in examples)
     settings = BootstrapSettings(
-        train_tokens=total * 120, tokens_per_batch=total * 2, learning_rate=1e-2, warmup_steps=5, seed=0, max_minutes=4
+        train_tokens=total * 120, tokens_per_batch=total * 2, learning_rate=1e-2, warmup_steps=5, seed=0, max_minutes=4,
+        copy_share=0.0,  # memorising a few scripts: no copy curriculum
     )
     supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
     model.save_pretrained(out)

@@ -71,7 +71,7 @@ class BootstrapSettings:
     warmup_steps: int = 30
     number_weight: float = 4.0
     context_weight: float = 0.1
-    copy_share: float = 0.2  # share of warm-start steps spent on the copy curriculum
+    copy_share: float = 0.2  # warm-start steps on the copy curriculum (0 to memorise a few scripts)
     seed: int = 0
     max_minutes: float = 10.0
     max_output_chars: int = 2000

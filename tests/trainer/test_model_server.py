@@ -39,7 +39,7 @@ def served():
     )
     total = sum(len(ids) for ids, _ in examples)
     settings = BootstrapSettings(train_tokens=total * 150, tokens_per_batch=total * 2, learning_rate=1e-2,
-                                 warmup_steps=5, max_minutes=3)
+                                 warmup_steps=5, max_minutes=3, copy_share=0.0)
     stats = supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
     assert stats["final_loss"] < 0.05, stats
     app = create_model_app(Policy(model=model, tokenizer=tokenizer, path="tiny"), model_name="tiny-agent", max_len=1024)
