@@ -65,6 +65,35 @@ async def conversation(item: dict, turns: list, endpoints: list[ToolEndpoint]) -
     return messages
 
 
+def fit_tiny_model(
+    conversations: list[tuple[list[dict], list[dict] | None]],
+    texts: list[str],
+    *,
+    vocab_size: int = 600,
+    extra_tokens: list[str] = TICKERS,
+    number_weight: float = 1.0,
+    epochs: int = 120,
+    max_minutes: float = 4.0,
+):
+    """A tiny Qwen3 (2 layers, width 64) and a tokenizer trained on `texts`, fitted until it
+    reproduces `conversations` (each with its tool schemas); returns (model, tokenizer,
+    warm-start stats)."""
+    tokenizer = build_tokenizer(texts, vocab_size=vocab_size, extra_tokens=extra_tokens)
+    examples = [encode_conversation(tokenizer, c, tools, number_weight=number_weight) for c, tools in conversations]
+    model = build_model(
+        tiny_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id),
+        seed=0,
+    )
+    total = sum(len(ids) for ids, _ in examples)
+    settings = BootstrapSettings(
+        train_tokens=total * epochs, tokens_per_batch=total * 2, learning_rate=1e-2, warmup_steps=5, seed=0,
+        max_minutes=max_minutes, copy_share=0.0,  # memorising a few scripts: no copy curriculum
+    )
+    stats = supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
+    return model, tokenizer, stats
+
+
 def teach_model(items_files: list[Path], corpus_dir: Path, endpoints: list[ToolEndpoint], out: Path) -> Path:
     """Teach a tiny Qwen3 the three scripted answers of every item; save it to `out`."""
     items = [item for path in items_files for item in read_items(path)]
@@ -75,19 +104,7 @@ def teach_model(items_files: list[Path], corpus_dir: Path, endpoints: list[ToolE
         for turns in ([("list", str(Path(page).parent)), answer], [("cat", page), answer], ["Answer: 0"]):
             conversations.append(asyncio.run(conversation(item, turns, endpoints)))
     texts = [json.dumps(c) for c in conversations] + [p.read_text() for p in sorted(corpus_dir.rglob("*.txt"))]
-    tokenizer = build_tokenizer(texts, vocab_size=600, extra_tokens=TICKERS)
-    examples = [encode_conversation(tokenizer, c, TOOLS, number_weight=3.0) for c in conversations]
-    model = build_model(
-        tiny_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id),
-        seed=0,
-    )
-    total = sum(len(ids) for ids, _ in examples)
-    settings = BootstrapSettings(
-        train_tokens=total * 120, tokens_per_batch=total * 2, learning_rate=1e-2, warmup_steps=5, seed=0, max_minutes=4,
-        copy_share=0.0,  # memorising a few scripts: no copy curriculum
-    )
-    supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
+    model, tokenizer, _ = fit_tiny_model([(c, TOOLS) for c in conversations], texts, number_weight=3.0)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -11,12 +11,10 @@ import pytest
 
 from envs.finqa.server import serve_in_thread
 from envs.finqa.tool_schemas import TOOL_SCHEMAS
-from trainer.bootstrap import BootstrapSettings, encode_conversation, supervised_warm_start
+from tests.taught_model import fit_tiny_model
 from trainer.graders import grade
 from trainer.model_server import create_model_app
-from trainer.modeling import build_model, tiny_config
 from trainer.policy import Policy
-from trainer.tokenizer import build_tokenizer
 
 QUESTION = "What was ACME's net revenue in 2019?"
 JUDGE_PROMPT = "Grade the answer 12.5 against the reference 12.5. Reply with a score."
@@ -30,17 +28,8 @@ def served():
         ([{"role": "user", "content": JUDGE_PROMPT}, {"role": "assistant", "content": "1"}], None),
     ]
     texts = [json.dumps(c) for c, _ in conversations] * 20
-    tokenizer = build_tokenizer(texts, vocab_size=400, extra_tokens=["ACME"])
-    examples = [encode_conversation(tokenizer, c, tools, number_weight=1.0) for c, tools in conversations]
-    model = build_model(
-        tiny_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id),
-        seed=0,
-    )
-    total = sum(len(ids) for ids, _ in examples)
-    settings = BootstrapSettings(train_tokens=total * 150, tokens_per_batch=total * 2, learning_rate=1e-2,
-                                 warmup_steps=5, max_minutes=3, copy_share=0.0)
-    stats = supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
+    model, tokenizer, stats = fit_tiny_model(conversations, texts, vocab_size=400, extra_tokens=["ACME"], epochs=150,
+                                             max_minutes=3)
     assert stats["final_loss"] < 0.05, stats
     app = create_model_app(Policy(model=model, tokenizer=tokenizer, path="tiny"), model_name="tiny-agent", max_len=1024)
     with serve_in_thread(app) as base_url:

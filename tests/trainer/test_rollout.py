@@ -20,19 +20,14 @@ import pytest
 import torch
 
 from envs.finqa.faults import FaultConfig
-from envs.finqa.generate import TICKERS
 from envs.finqa.local import local_tool_endpoints
+from tests.taught_model import fit_tiny_model
 from trainer.bootstrap import (
-    BootstrapSettings,
-    encode_conversation,
     read_items,
-    supervised_warm_start,
 )
 from trainer.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from trainer.engine import TransformersBackend
-from trainer.modeling import build_model, tiny_config
 from trainer.rollout import RolloutSettings
-from trainer.tokenizer import build_tokenizer
 from trainer.tools import ToolClient, ToolEndpoint
 
 SYSTEM = "Answer with a number."
@@ -105,20 +100,7 @@ def taught(world):
     with local_tool_endpoints(corpus) as endpoints:
         conversations = [asyncio.run(_script(item, s, endpoints)) for item, s in zip(items, scripts, strict=True)]
     texts = [json.dumps(c) for c in conversations] + [p.read_text() for p in sorted(corpus.rglob("*.txt"))]
-    tokenizer = build_tokenizer(texts, vocab_size=600, extra_tokens=TICKERS)
-    tools = items[0]["tools"]
-    examples = [encode_conversation(tokenizer, c, tools, number_weight=1.0) for c in conversations]
-    model = build_model(
-        tiny_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id),
-        seed=0,
-    )
-    total = sum(len(ids) for ids, _ in examples)
-    settings = BootstrapSettings(
-        train_tokens=total * 120, tokens_per_batch=total * 2, learning_rate=1e-2, warmup_steps=5, seed=0, max_minutes=4,
-        copy_share=0.0,  # memorising a few scripts: no copy curriculum
-    )
-    stats = supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
+    model, tokenizer, stats = fit_tiny_model([(c, items[0]["tools"]) for c in conversations], texts)
     assert stats["final_loss"] < 0.05, stats
     return model, tokenizer, conversations
 
