@@ -134,10 +134,6 @@ def _call(name: str, arguments: dict[str, Any], index: int) -> dict[str, Any]:
     }
 
 
-def _hit_paths(output: str) -> list[str]:
-    return [line.split(" | ")[0].strip() for line in output.splitlines() if " | " in line]
-
-
 def _rows(text: str, needs: Sequence[str]) -> list[str]:
     """The table rows (`label | this year | prior year`) of the line items `needs` in a
     page or a search result, as written."""
