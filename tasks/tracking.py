@@ -22,6 +22,7 @@ from typing import Any
 
 from trainer.config import PipelineConfig
 from trainer.errors import AgentRFTError
+from trainer.metrics import fluent_store
 
 _PARAM_BATCH = 100  # MLflow takes at most 100 params per log_batch call
 _METRIC_BATCH = 1000
@@ -42,16 +43,6 @@ def mlflow_client(uri: str) -> Any:
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
-
-
-@contextmanager
-def fluent_store(uri: str) -> Iterator[None]:
-    """Point MLflow's fluent API at `uri` for a block, then restore what was there before
-    (`set_tracking_uri` also exports MLFLOW_TRACKING_URI to every later subprocess)."""
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
-
-    with _use_tracking_uri(uri):
-        yield
 
 
 @dataclass(frozen=True)

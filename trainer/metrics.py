@@ -19,7 +19,8 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,16 @@ import numpy as np
 
 # MLflow takes at most 1000 metrics per log_batch call.
 _MLFLOW_BATCH = 1000
+
+
+@contextmanager
+def fluent_store(uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API at `uri` for a block, then restore what was there before
+    (`set_tracking_uri` also exports MLFLOW_TRACKING_URI to every later subprocess)."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(uri):
+        yield
 
 
 class MetricsSink:

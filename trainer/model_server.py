@@ -56,7 +56,8 @@ def resolve_model_uri(uri: str, *, cache_dir: Path | None = None, tracking_uri: 
     import shutil
 
     import mlflow
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    from trainer.metrics import fluent_store
 
     store = tracking_uri or mlflow.get_tracking_uri()
     # Aliases move and registries differ: one folder per (store, uri), fetched afresh.
@@ -66,7 +67,7 @@ def resolve_model_uri(uri: str, *, cache_dir: Path | None = None, tracking_uri: 
     try:
         # The store is named for this call only (a `models:/m-...` source resolves through the
         # fluent store): the process may work with other stores.
-        with _use_tracking_uri(store):
+        with fluent_store(store):
             local = Path(mlflow.artifacts.download_artifacts(
                 artifact_uri=uri, dst_path=str(target), tracking_uri=store, registry_uri=store))
     except Exception as exc:  # MLflow raises its own exception types for unknown models

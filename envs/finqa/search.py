@@ -207,10 +207,8 @@ def best_snippet(text: str, query: str, width: int = SNIPPET_CHARS) -> str:
     def shared(line: str) -> int:
         return len(words & set(_WORD.findall(line.lower())))
 
-    best = max(table, key=shared, default="")
-    if not best or shared(best) == 0:
-        best = max(body, key=shared, default="")
-        best = best if best and shared(best) > 0 else ""
+    candidates = [line for line in table if shared(line)] or [line for line in body if shared(line)]
+    best = max(candidates, key=shared, default="")
     snippet = f"{title} ... {best}" if best else title
     return snippet if len(snippet) <= width else snippet[: width - 3] + "..."
 
