@@ -34,6 +34,13 @@ SNIPPET_CHARS = 200
 # Added to a page's cosine for each of its directory names the query says word for word
 # (a company, a year): MiniLM barely tells "ACME 2019" from "BRIX 2021", a reader does.
 PATH_WORD_BOOST = 0.15
+# Added for each table row label the query names as a phrase ("total assets"), and for
+# each year the query names that is a column of the page's table: a reader looking for
+# "total assets from 2021 to 2022" wants the page whose table has that row and both years
+# (the 2022 report), where cosine alone often prefers a neighbouring page or report.
+ROW_LABEL_BOOST = 0.15
+COLUMN_YEAR_BOOST = 0.1
+MAX_LABEL_WORDS = 8
 
 _model_lock = threading.Lock()
 _encode_lock = threading.Lock()
@@ -213,9 +220,23 @@ def best_snippet(text: str, query: str, width: int = SNIPPET_CHARS) -> str:
     return snippet if len(snippet) <= width else snippet[: width - 3] + "..."
 
 
+def table_keys(text: str) -> tuple[set[str], set[str]]:
+    """A page's table row labels (the first cell of each `a | b | c` line after the
+    header, as lowercase words) and the years among its column headers."""
+    table = [line for line in text.splitlines() if " | " in line]
+    if not table:
+        return set(), set()
+    header, rows = table[0], table[1:]
+    labels = {" ".join(_WORD.findall(row.split(" | ")[0].lower())) for row in rows}
+    years = {cell.strip() for cell in header.split(" | ")[1:] if re.fullmatch(r"\d{4}", cell.strip())}
+    return {label for label in labels if 0 < len(label.split()) <= MAX_LABEL_WORDS}, years
+
+
 class SearchIndex:
     """A normalised embedding matrix with one row per page; `search` ranks pages by cosine,
-    plus `PATH_WORD_BOOST` for each directory name of the page that the query contains."""
+    plus `PATH_WORD_BOOST` for each directory name of the page that the query contains,
+    `ROW_LABEL_BOOST` for each row label of its table the query names and
+    `COLUMN_YEAR_BOOST` for each year of its table's columns the query names."""
 
     def __init__(
         self,
@@ -246,6 +267,17 @@ class SearchIndex:
             for word in {w for part in path.split("/")[:-1] for w in _WORD.findall(part.lower())}:
                 folders.setdefault(word, []).append(i)
         self._pages_under = {word: np.array(rows) for word, rows in folders.items()}
+        # row label / column year -> the pages whose table has it
+        labels: dict[str, list[int]] = {}
+        years: dict[str, list[int]] = {}
+        for i in range(len(paths)):
+            row_labels, column_years = table_keys(read_page(i))
+            for label in row_labels:
+                labels.setdefault(label, []).append(i)
+            for year in column_years:
+                years.setdefault(year, []).append(i)
+        self._pages_with_label = {key: np.array(rows) for key, rows in labels.items()}
+        self._pages_with_year = {key: np.array(rows) for key, rows in years.items()}
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -359,8 +391,18 @@ class SearchIndex:
             return []
         q = self._queries.encode(query)
         scores = self.embeddings @ q
-        for word in set(_WORD.findall(query.lower())) & self._pages_under.keys():
+        words = _WORD.findall(query.lower())
+        for word in set(words) & self._pages_under.keys():
             scores[self._pages_under[word]] += PATH_WORD_BOOST
+        for word in set(words) & self._pages_with_year.keys():
+            scores[self._pages_with_year[word]] += COLUMN_YEAR_BOOST
+        phrases = {
+            " ".join(words[i : i + n])
+            for n in range(1, MAX_LABEL_WORDS + 1)
+            for i in range(len(words) - n + 1)
+        }
+        for phrase in phrases & self._pages_with_label.keys():
+            scores[self._pages_with_label[phrase]] += ROW_LABEL_BOOST
         k = min(top_k, len(scores))
         top = np.argpartition(-scores, k - 1)[:k]
         top = top[np.argsort(-scores[top], kind="stable")]

@@ -17,7 +17,7 @@ import pytest
 
 from envs.finqa.calculator import evaluate
 from envs.finqa.faults import Fault, FaultConfig, FaultInjector
-from envs.finqa.search import PATH_WORD_BOOST, SearchIndex
+from envs.finqa.search import COLUMN_YEAR_BOOST, PATH_WORD_BOOST, ROW_LABEL_BOOST, SearchIndex, table_keys
 from envs.finqa.server import TraceStore, create_app, serve_in_thread
 
 pytestmark = pytest.mark.integration
@@ -438,9 +438,40 @@ def test_search_prefers_the_company_and_year_the_query_names_and_shows_the_row(t
             hit = index.search(f"{ticker} {year} net revenue", top_k=1)[0]
             assert hit.path == f"reports/{ticker}/{year}/page_1.txt"
             assert hit.snippet.endswith(f"net revenue | {year - 1900} | {year - 1901}")
-    # the boost itself: each directory name the query says adds PATH_WORD_BOOST to the cosine
+    # the boosts themselves: each directory name the query says, each row label it names,
+    # each year of the table's columns it names, added to the cosine
     query = "ACME 2021 net revenue"
     cosine = dict(zip(index.paths, (index.embeddings @ index._queries.encode(query)).tolist(), strict=True))
     for hit in index.search(query, top_k=4):
         named = ("/ACME/" in hit.path) + ("/2021/" in hit.path)
-        assert hit.score == pytest.approx(cosine[hit.path] + named * PATH_WORD_BOOST, abs=1e-5)
+        column = "/2021/" in hit.path  # the 2020 report's columns are 2020 and 2019
+        expected = cosine[hit.path] + named * PATH_WORD_BOOST + ROW_LABEL_BOOST + column * COLUMN_YEAR_BOOST
+        assert hit.score == pytest.approx(expected, abs=1e-5)
+
+
+def test_search_prefers_the_page_whose_table_has_the_row_and_the_years_named(tmp_path) -> None:
+    def page(year: int, topic: str, rows: list[str]) -> str:
+        body = "\n".join(f"{row} | {10 + i} | {9 + i}" for i, row in enumerate(rows))
+        return (f"ACME {year} annual report - {topic}\nACME's figures for {year} are shown below.\n\n"
+                f"(in $ millions) | {year} | {year - 1}\n{body}\n")
+
+    pages = [
+        ("reports/ACME/2021/page_1.txt", page(2021, "balance sheet", ["cash", "inventories", "total assets"])),
+        ("reports/ACME/2021/page_2.txt", page(2021, "balance sheet funding", ["accounts payable", "long-term debt"])),
+        ("reports/ACME/2022/page_1.txt", page(2022, "balance sheet", ["cash", "inventories", "total assets"])),
+        ("reports/ACME/2022/page_2.txt", page(2022, "balance sheet funding", ["accounts payable", "long-term debt"])),
+    ]
+    assert table_keys(pages[0][1]) == ({"cash", "inventories", "total assets"}, {"2021", "2020"})
+    index = SearchIndex.from_pages(pages, cache_dir=tmp_path)
+    # the row named, and of the two reports naming 2021 the one whose table covers both years
+    query = "What was the change in ACME's long-term debt from 2021 to 2022?"
+    top = index.search(query, top_k=1)[0]
+    assert top.path == "reports/ACME/2022/page_2.txt"
+    cosine = dict(zip(index.paths, (index.embeddings @ index._queries.encode(query)).tolist(), strict=True))
+    for hit in index.search(query, top_k=4):
+        label = "page_2" in hit.path
+        years = 2 if "/2022/" in hit.path else 1  # the 2021 report's columns are 2021 and 2020
+        expected = cosine[hit.path] + 2 * PATH_WORD_BOOST + label * ROW_LABEL_BOOST + years * COLUMN_YEAR_BOOST
+        assert hit.score == pytest.approx(expected, abs=1e-5)
+    assert top.snippet.endswith("long-term debt | 11 | 10")
+    assert index.search("ACME 2021 inventories", top_k=1)[0].path == "reports/ACME/2021/page_1.txt"
