@@ -17,7 +17,13 @@ import pytest
 
 from envs.finqa.calculator import evaluate
 from envs.finqa.faults import Fault, FaultConfig, FaultInjector
-from envs.finqa.search import COLUMN_YEAR_BOOST, PATH_WORD_BOOST, ROW_LABEL_BOOST, SearchIndex, table_keys
+from envs.finqa.search import (
+    COLUMN_YEAR_BOOST,
+    PATH_WORD_BOOST,
+    ROW_LABEL_BOOST,
+    SearchIndex,
+    table_keys,
+)
 from envs.finqa.server import TraceStore, create_app, serve_in_thread
 
 pytestmark = pytest.mark.integration

@@ -15,13 +15,16 @@ from envs.finqa.calculator import evaluate
 from envs.finqa.generate import TICKERS, execute_program
 from envs.finqa.local import local_tool_endpoints
 from trainer.bootstrap import (
+    BootstrapSettings,
     ScriptedPolicy,
     collect_demonstrations,
+    copy_accuracy,
     encode_conversation,
     program_expression,
     read_items,
 )
 from trainer.graders import grade
+from trainer.modeling import build_model, tiny_config
 from trainer.tokenizer import build_tokenizer
 
 GRADER = {"type": "numeric", "name": "a", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}
@@ -107,6 +110,25 @@ def test_encoding_trains_only_assistant_tokens_and_weights_copies(demos) -> None
     heavy = tokenizer.decode([t for t, w in zip(ids, weights, strict=True) if w == 4.0])
     assert item["ticker"] in heavy
     assert set(heavy.replace(item["ticker"], "")) <= set("0123456789.-%,")
+
+
+def test_copy_accuracy_counts_the_copied_tokens_the_model_predicts(demos) -> None:
+    from trainer.bootstrap import supervised_warm_start
+
+    items, conversations = demos
+    tokenizer = build_tokenizer([str(c) for c in conversations], vocab_size=600, extra_tokens=TICKERS)
+    shortest = min(conversations, key=lambda c: len(str(c)))
+    example = encode_conversation(tokenizer, shortest, items[0]["tools"], number_weight=4.0)
+    assert sum(w > 1 for w in example[1]) >= 4  # the digits the assistant writes
+    config = tiny_config(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                         intermediate_size=128, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = build_model(config, seed=0)
+    assert copy_accuracy(model, [example]) < 0.5  # untrained: digits are a guess
+    settings = BootstrapSettings(train_tokens=len(example[0]) * 100, tokens_per_batch=len(example[0]),
+                                 learning_rate=1e-2, warmup_steps=5, copy_share=0.0, max_minutes=2.0)
+    supervised_warm_start(model, [example], settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
+    assert copy_accuracy(model, [example]) == 1.0  # memorised: every copied token is its first choice
+    assert copy_accuracy(model, [([1, 2, 3], [1.0, 1.0, 1.0])]) != copy_accuracy(model, [([1, 2, 3], [1.0, 1.0, 1.0])])  # NaN
 
 
 def test_copy_batch_repeats_a_span_and_trains_only_the_repeat() -> None:
