@@ -593,7 +593,11 @@ def resolve_base_model(config: Any, *, log: Any = print) -> str:
 
     if config.model.base_model != "demo":
         return config.model.base_model
-    settings = BootstrapSettings(seed=config.model.bootstrap_seed, max_minutes=config.model.bootstrap_minutes)
+    settings = BootstrapSettings(
+        seed=config.model.bootstrap_seed,
+        max_minutes=config.model.bootstrap_minutes,
+        train_tokens=config.model.bootstrap_tokens,
+    )
     path = bootstrap_demo_model(
         Path(config.data.data_dir),
         data_md5=pinned_md5(Path(config.data.dvc_file)),

@@ -68,6 +68,11 @@ class ModelConfig(Section):
     bootstrap_minutes: float = Field(
         8.0, gt=0, description="Time budget of the demo model's supervised warm start."
     )
+    bootstrap_tokens: int = Field(
+        6_000_000, ge=10_000, description="Tokens of the demo model's supervised warm start: "
+        "6M take ~14 min on 2 CPU cores; its copying of numbers out of the context (and so its "
+        "baseline score) grows with this, so a machine with a GPU should raise it."
+    )
     bootstrap_seed: int = Field(0, description="Seed of the demo model's tokenizer, init and warm start.")
 
 
