@@ -249,6 +249,7 @@ class SearchIndex:
         md5: str = "",
         from_cache: bool = False,
         build_s: float = 0.0,
+        texts: Iterable[str] | None = None,
     ):
         if embeddings.shape[0] != len(paths):
             raise ValueError(f"{embeddings.shape[0]} embeddings for {len(paths)} pages")
@@ -270,8 +271,9 @@ class SearchIndex:
         # row label / column year -> the pages whose table has it
         labels: dict[str, list[int]] = {}
         years: dict[str, list[int]] = {}
-        for i in range(len(paths)):
-            row_labels, column_years = table_keys(read_page(i))
+        # `texts`: the pages' text when the caller holds it already, so nothing is read twice
+        for i, text in enumerate(texts if texts is not None else map(read_page, range(len(paths)))):
+            row_labels, column_years = table_keys(text)
             for label in row_labels:
                 labels.setdefault(label, []).append(i)
             for year in column_years:
@@ -383,6 +385,7 @@ class SearchIndex:
             md5=md5,
             from_cache=from_cache,
             build_s=time.perf_counter() - start,
+            texts=(data.decode("utf-8", "replace") for data in raw),
         )
 
     def search(self, query: str, top_k: int = 5) -> list[SearchHit]:
