@@ -66,12 +66,15 @@ class ModelConfig(Section):
         "and bootstrap settings)."
     )
     bootstrap_minutes: float = Field(
-        8.0, gt=0, description="Time budget of the demo model's supervised warm start."
+        120.0, gt=0, description="Time limit of the demo model's supervised warm start, a safety "
+        "net: a limit that stops the warm start before bootstrap_tokens makes the model depend on "
+        "the machine's speed."
     )
     bootstrap_tokens: int = Field(
-        6_000_000, ge=10_000, description="Tokens of the demo model's supervised warm start: "
-        "6M take ~14 min on 2 CPU cores; its copying of numbers out of the context (and so its "
-        "baseline score) grows with this, so a machine with a GPU should raise it."
+        20_000_000, ge=10_000, description="Tokens of the demo model's supervised warm start: "
+        "20M take ~50 min on 2 idle CPU cores. Copying numbers out of the context (and so the "
+        "baseline score) switches on between 6M and 20M tokens: held-out copy accuracy 62% at "
+        "1.5M, 78% at 6M, 98% at 20M."
     )
     bootstrap_seed: int = Field(0, description="Seed of the demo model's tokenizer, init and warm start.")
 
