@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 import yaml
 from pydantic import (
     BaseModel,
+    NonNegativeFloat,
     ConfigDict,
     Field,
     PositiveFloat,
@@ -159,6 +160,11 @@ class RolloutConfig(Section):
 class PenaltyConfig(Section):
     over_budget: float = Field(1.0, ge=0, description="Subtracted when a rollout exceeds max_episode_steps.")
     per_tool_call: float = Field(0.0, ge=0, description="Subtracted per tool call.")
+    tool_call_costs: dict[str, NonNegativeFloat] = Field(
+        default_factory=dict, description="Per-tool penalties that replace per_tool_call for the "
+        "named tools, for tools whose costs differ, e.g. {calculator: 0} for a free local tool "
+        "next to a paid search."
+    )
     per_token: float = Field(0.0, ge=0, description="Subtracted per generated token.")
     correct_only: bool = Field(
         False, description="Apply per-call and per-token penalties only to rollouts with score > 0."

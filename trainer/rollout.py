@@ -98,6 +98,7 @@ class RolloutSettings:
     top_p: float = 1.0
     over_budget_penalty: float = 1.0
     per_tool_call_penalty: float = 0.0
+    tool_call_costs: dict[str, float] = field(default_factory=dict)
     per_token_penalty: float = 0.0
     penalties_correct_only: bool = False
 
@@ -113,6 +114,7 @@ class RolloutSettings:
             top_p=rollout.top_p,
             over_budget_penalty=penalties.over_budget,
             per_tool_call_penalty=penalties.per_tool_call,
+            tool_call_costs=dict(penalties.tool_call_costs),
             per_token_penalty=penalties.per_token,
             penalties_correct_only=penalties.correct_only,
         )
@@ -126,8 +128,11 @@ def compute_reward(record: RolloutRecord, settings: RolloutSettings) -> None:
     if record.status == "over_budget" and settings.over_budget_penalty:
         penalties["over_budget"] = settings.over_budget_penalty
     shaped = record.score > 0 or not settings.penalties_correct_only
-    if shaped and settings.per_tool_call_penalty:
-        penalties["tool_calls"] = settings.per_tool_call_penalty * len(record.tool_calls)
+    if shaped and (settings.per_tool_call_penalty or settings.tool_call_costs):
+        costs = settings.tool_call_costs
+        cost = sum(costs.get(call.name, settings.per_tool_call_penalty) for call in record.tool_calls)
+        if cost:
+            penalties["tool_calls"] = cost
     if shaped and settings.per_token_penalty:
         penalties["tokens"] = settings.per_token_penalty * record.tokens_generated
     record.penalties = penalties

@@ -1,0 +1,57 @@
+"""reward = score - penalties: the budget, per call (with per-tool costs), per token."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import PipelineConfig
+from trainer.rollout import RolloutRecord, RolloutSettings, ToolCallRecord, compute_reward
+
+
+def record(score: float | None, calls: list[str], *, status: str = "ok", tokens: int = 0) -> RolloutRecord:
+    return RolloutRecord(
+        trace_id="t", item_id="i", sample_index=0, messages=[], final_answer="", status=status, score=score,
+        tool_calls=[ToolCallRecord(name, "{}", "", 0.0, None, f"c{n}") for n, name in enumerate(calls)],
+        tokens_generated=tokens,
+    )
+
+
+def test_per_tool_costs_replace_the_flat_price_for_named_tools():
+    settings = RolloutSettings(per_tool_call_penalty=0.05, tool_call_costs={"calculator": 0.0, "cat": 0.1})
+    rollout = record(1.0, ["list", "search", "cat", "calculator"])
+    compute_reward(rollout, settings)
+    assert rollout.penalties == {"tool_calls": pytest.approx(0.05 + 0.05 + 0.1)}
+    assert rollout.reward == pytest.approx(0.8)
+
+    free = record(1.0, ["calculator"])
+    compute_reward(free, settings)
+    assert free.penalties == {} and free.reward == 1.0
+
+
+def test_correct_only_spares_wrong_answers_and_the_budget_penalty_always_applies():
+    settings = RolloutSettings(per_tool_call_penalty=0.02, per_token_penalty=0.001, penalties_correct_only=True)
+    wrong = record(0.0, ["search", "search"], tokens=100)
+    compute_reward(wrong, settings)
+    assert wrong.reward == 0.0 and wrong.penalties == {}
+
+    right = record(1.0, ["search", "search"], tokens=100)
+    compute_reward(right, settings)
+    assert right.penalties == {"tool_calls": pytest.approx(0.04), "tokens": pytest.approx(0.1)}
+
+    over = record(0.0, ["search"] * 11, status="over_budget")
+    compute_reward(over, settings)
+    assert over.penalties == {"over_budget": 1.0} and over.reward == -1.0
+
+
+def test_an_ungraded_rollout_gets_no_reward():
+    rollout = record(None, ["search"])
+    compute_reward(rollout, RolloutSettings(per_tool_call_penalty=0.1))
+    assert rollout.reward is None
+
+
+def test_config_carries_tool_costs_and_rejects_a_negative_one():
+    config = PipelineConfig.model_validate({"penalties": {"per_tool_call": 0.02, "tool_call_costs": {"calculator": 0}}})
+    settings = RolloutSettings.from_config(config.rollout, config.penalties)
+    assert settings.tool_call_costs == {"calculator": 0.0}
+    with pytest.raises(Exception, match="tool_call_costs"):
+        PipelineConfig.model_validate({"penalties": {"tool_call_costs": {"search": -1}}})
