@@ -155,3 +155,10 @@ def test_calculator_results_are_cut_not_rounded(result: str, written: str) -> No
     from trainer.bootstrap import _cut
 
     assert _cut(result) == written
+
+
+def test_cache_key_follows_settings_not_how_numbers_are_written() -> None:
+    md5 = "0" * 32
+    assert BootstrapSettings(max_minutes=90).key(md5) == BootstrapSettings(max_minutes=90.0).key(md5)
+    assert BootstrapSettings(train_tokens=1_000_000).key(md5) != BootstrapSettings().key(md5)
+    assert BootstrapSettings().key(md5) != BootstrapSettings().key("1" * 32)
