@@ -81,7 +81,7 @@ class BootstrapSettings:
     context_weight: float = 0.1
     copy_share: float = 0.2  # warm-start steps on the copy curriculum (0 to memorise a few scripts)
     seed: int = 0
-    max_minutes: float = 10.0
+    max_minutes: float = 120.0  # a safety net; the token budget is what should end the warm start
     max_output_chars: int = 2000
 
     def key(self, data_md5: str) -> str:

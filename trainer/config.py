@@ -28,9 +28,9 @@ from urllib.parse import urlparse
 import yaml
 from pydantic import (
     BaseModel,
-    NonNegativeFloat,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -73,7 +73,7 @@ class ModelConfig(Section):
     )
     bootstrap_tokens: int = Field(
         20_000_000, ge=10_000, description="Tokens of the demo model's supervised warm start: "
-        "20M take ~50 min on 2 idle CPU cores. Copying numbers out of the context (and so the "
+        "20M take ~45 min on 2 idle CPU cores. Copying numbers out of the context (and so the "
         "baseline score) switches on between 6M and 20M tokens: held-out copy accuracy 62% at "
         "1.5M, 78% at 6M, 98% at 20M."
     )
