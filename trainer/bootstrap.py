@@ -30,9 +30,9 @@ import re
 import shutil
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import torch
 
@@ -86,8 +86,8 @@ class BootstrapSettings:
 
     def key(self, data_md5: str) -> str:
         # A float setting keys the same whether it is given as 90 or 90.0.
-        values = {f.name: float(getattr(self, f.name)) if f.type == "float" else getattr(self, f.name)
-                  for f in fields(self)}
+        types = get_type_hints(type(self))
+        values = {name: float(value) if types[name] is float else value for name, value in asdict(self).items()}
         text = json.dumps({**values, "data": data_md5, "v": BOOTSTRAP_VERSION}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 

@@ -128,11 +128,11 @@ def compute_reward(record: RolloutRecord, settings: RolloutSettings) -> None:
     if record.status == "over_budget" and settings.over_budget_penalty:
         penalties["over_budget"] = settings.over_budget_penalty
     shaped = record.score > 0 or not settings.penalties_correct_only
-    if shaped and (settings.per_tool_call_penalty or settings.tool_call_costs):
-        costs = settings.tool_call_costs
-        cost = sum(costs.get(call.name, settings.per_tool_call_penalty) for call in record.tool_calls)
-        if cost:
-            penalties["tool_calls"] = cost
+    calls_cost = sum(
+        settings.tool_call_costs.get(call.name, settings.per_tool_call_penalty) for call in record.tool_calls
+    )
+    if shaped and calls_cost:
+        penalties["tool_calls"] = calls_cost
     if shaped and settings.per_token_penalty:
         penalties["tokens"] = settings.per_token_penalty * record.tokens_generated
     record.penalties = penalties
