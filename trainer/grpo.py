@@ -100,7 +100,7 @@ from trainer.errors import ConfigError, DataError
 from trainer.evaluate import summarize
 from trainer.metrics import MetricsSink, plot_training, read_jsonl
 from trainer.policy import load_policy
-from trainer.rollout import RolloutRecord, RolloutSettings, run_rollouts_async
+from trainer.rollout import RolloutRecord, RolloutSettings, check_tool_call_costs, run_rollouts_async
 from trainer.tools import ToolClient, ToolEndpoint
 
 ADVANTAGE_EPS = 1e-6
@@ -323,6 +323,8 @@ class GRPOTrainer:
         self.train_items = _read(self.config.data.train_file, self.config.data.max_train_items, "data.train_file")
         eval_items = _read(self.config.data.eval_file, self.config.data.max_eval_items, "data.eval_file")
         self.eval_items = eval_items[: self.hp["eval_samples"]]
+        for items, file in ((self.train_items, self.config.data.train_file), (eval_items, self.config.data.eval_file)):
+            check_tool_call_costs(self.settings.tool_call_costs, items, file)
         batch_size = self.hp["batch_size"]
         if batch_size % acc.num_processes:
             raise ConfigError(

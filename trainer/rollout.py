@@ -30,7 +30,7 @@ from typing import Any
 
 from trainer.chat_format import assistant_turn_end, continuation_text, parse_assistant_output
 from trainer.engine import GenerationBackend, SamplingParams, TurnOutput
-from trainer.errors import InfraError
+from trainer.errors import ConfigError, InfraError
 from trainer.graders import grade_async
 from trainer.tools import ToolClient, new_trace_id
 
@@ -117,6 +117,22 @@ class RolloutSettings:
             tool_call_costs=dict(penalties.tool_call_costs),
             per_token_penalty=penalties.per_token,
             penalties_correct_only=penalties.correct_only,
+        )
+
+
+def check_tool_call_costs(
+    costs: dict[str, float], items: Sequence[dict[str, Any]], source: str, tools: list[dict[str, Any]] | None = None
+) -> None:
+    """A priced tool must be one the items offer: a misspelt name would leave that tool at
+    the default price without a word."""
+    offered = {tool["function"]["name"] for tool in tools} if tools is not None else {
+        tool["function"]["name"] for item in items for tool in item.get("tools", [])
+    }
+    unknown = sorted(set(costs) - offered)
+    if unknown:
+        raise ConfigError(
+            f"penalties.tool_call_costs names {', '.join(map(repr, unknown))}, which no item of {source} "
+            f"offers (its tools: {', '.join(sorted(offered)) or 'none'}); fix the name or remove it"
         )
 
 
@@ -343,6 +359,7 @@ async def run_rollouts_async(
 ) -> list[RolloutRecord]:
     """Run `n_per_item` rollouts of every item; records come back grouped by item, in
     order (item 0 samples 0..n-1, item 1, ...)."""
+    check_tool_call_costs(settings.tool_call_costs, items, "the items to roll out", tools)
     driver = _Driver(backend, assistant_turn_end(tokenizer))
     driver_task = asyncio.create_task(driver.run())
     slots = asyncio.Semaphore(max_concurrent)

@@ -55,3 +55,13 @@ def test_config_carries_tool_costs_and_rejects_a_negative_one():
     assert settings.tool_call_costs == {"calculator": 0.0}
     with pytest.raises(Exception, match="tool_call_costs"):
         PipelineConfig.model_validate({"penalties": {"tool_call_costs": {"search": -1}}})
+
+
+def test_a_priced_tool_the_items_do_not_offer_is_a_clear_error():
+    from trainer.errors import ConfigError
+    from trainer.rollout import check_tool_call_costs
+
+    items = [{"tools": [{"type": "function", "function": {"name": n}} for n in ("search", "calculator")]}]
+    check_tool_call_costs({"calculator": 0.0}, items, "data/train.jsonl")
+    with pytest.raises(ConfigError, match=r"'calcualtor'.*data/train\.jsonl.*calculator, search"):
+        check_tool_call_costs({"calcualtor": 0.0}, items, "data/train.jsonl")
