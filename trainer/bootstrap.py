@@ -40,26 +40,32 @@ from trainer.chat_format import assistant_turn_end, continuation_text
 from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 
 # Bumped when the demonstrations change for the same data and settings, including through the
-# tools they call (v9: the search ranks by table row labels and column years too).
-BOOTSTRAP_VERSION = "9"
+# tools they call (v9: the search ranks by table row labels and column years too; v10: parallel
+# redundant calls, the calculator on every item).
+BOOTSTRAP_VERSION = "10"
 HELD_OUT_ITEMS = 40  # eval items whose demonstrations measure the built model's copying
 
 
 @dataclass
 class ScriptedPolicy:
-    """How the demonstrator browses; each probability is per item (or per page)."""
+    """How the demonstrator browses; each probability is per item (or per page).
 
-    # More redundancy costs score with a 1M-parameter model: a demonstrator with ~5.4 calls
-    # (listings before every search, fewer answers from the snippet) gave 4.4 calls per
-    # rollout but a mean score of 0.12 against 0.22 with these (2.3 calls): the more turns
-    # between the question and the last step, the more often the model forgets what the
-    # question asked (a calculator call on a lookup, an answer after the wrong page).
-    list_company: float = 0.4  # `list reports/<TICKER>` before searching
-    search_question: float = 0.3  # a first, redundant search with the whole question
-    list_year: float = 0.3  # `list reports/<TICKER>/<YEAR>` before reading a page
-    wrong_page_first: float = 0.3  # open a wrong page from the search results first
-    calculator: float = 0.85  # use the calculator for arithmetic (else answer directly)
-    from_snippet: float = 0.4  # take a row from the search result's snippet instead of reading the page
+    The redundant calls ride along in the turns of the needed ones, as parallel calls
+    (`list` and a whole-question `search` next to the targeted search, the year's `list`
+    and a wrong page next to the right page): a 1M-parameter model forgets what the
+    question asked when more turns stand between the question and the last step (a
+    demonstrator with ~5.4 calls in sequential turns gave 4.4 calls per rollout but a mean
+    score of 0.12), and parallel calls add calls without adding turns. Every item ends with
+    the calculator, a lookup's expression being its value, so that whether to call it does
+    not depend on the kind of question: without the calculator a lookup is right and a
+    change is wrong, and RL on mixed batches then unlearned the calculator for all."""
+
+    list_company: float = 0.8  # `list reports/<TICKER>` next to the first search
+    search_question: float = 0.3  # a redundant search with the whole question next to it
+    list_year: float = 0.7  # `list reports/<TICKER>/<YEAR>` next to reading a page
+    wrong_page_first: float = 0.25  # also open a wrong page from the search results, before the right one
+    calculator: float = 0.8  # use the calculator (else answer directly, mental arithmetic a model cannot copy)
+    from_snippet: float = 0.3  # take a row from the search result's snippet instead of reading the page
 
 
 @dataclass
@@ -114,8 +120,10 @@ def tokenizer_texts(data_dir: Path, tools: list[dict[str, Any]]) -> Iterable[str
 
 def program_expression(program: str, *, percent: bool) -> str | None:
     """The calculator expression that computes a FinQA program, e.g.
-    'subtract(540, 480), divide(#0, 480)' -> '(540-480)/480*100'. None when the program
-    has no arithmetic (a lookup) or uses an op the calculator lacks."""
+    'subtract(540, 480), divide(#0, 480)' -> '(540-480)/480*100', and a lookup's value
+    ('346.9') as it is. None when the program uses an op the calculator lacks."""
+    if re.fullmatch(r"-?\d+(?:\.\d+)?", program.strip()):
+        return f"({program.strip()})*100" if percent else program.strip()
     steps = re.findall(r"([a-z_]+)\(([^()]*)\)", program)
     if not steps:
         return None
@@ -156,6 +164,13 @@ def _rows(text: str, needs: Sequence[str]) -> list[str]:
     return rows
 
 
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
+
+
 def _cut(value_text: str) -> str:
     """A calculator result as the demonstrator writes it: cut (not rounded, which a copy
     can do) to 2 decimals, or 4 when it is below 1."""
@@ -180,37 +195,46 @@ async def scripted_conversation(
     its numbers from right above it. Its waste, for RL to remove: listing directories, a
     first search with the whole question, a wrong page before the right one, reading a
     page whose row the snippet already showed, and arithmetic without the calculator.
-    None when the search cannot show a needed page (a few items)."""
+    The waste rides along as parallel calls in the turns of the needed ones, and every
+    item ends with the calculator, a lookup's expression being the value itself (see
+    ScriptedPolicy). None when the search cannot show a needed page (a few items)."""
     from envs.finqa.generate import LINE_ITEMS
 
     messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}, *item["messages"]]
     trace_id = new_trace_id()
     n_calls = 0
 
-    async def act(name: str, arguments: dict[str, Any], content: str = "") -> str:
+    async def act(calls: list[tuple[str, dict[str, Any]]], content: str = "") -> list[str]:
+        """One assistant turn with `calls` (parallel when several); their outputs in order."""
         nonlocal n_calls
-        call = _call(name, arguments, n_calls)
-        n_calls += 1
-        messages.append({"role": "assistant", "content": content, "tool_calls": [call]})
-        result = await client.call(
-            name, call["function"]["arguments"], item=item, trace_id=trace_id, call_id=call["id"]
+        made = [_call(name, arguments, n_calls + i) for i, (name, arguments) in enumerate(calls)]
+        n_calls += len(made)
+        messages.append({"role": "assistant", "content": content, "tool_calls": made})
+        results = await asyncio.gather(
+            *(
+                client.call(c["function"]["name"], c["function"]["arguments"], item=item, trace_id=trace_id, call_id=c["id"])
+                for c in made
+            )
         )
-        messages.append({"role": "tool", "tool_call_id": call["id"], "content": result.output})
-        return result.output
+        for call, result in zip(made, results, strict=True):
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result.output})
+        return [result.output for result in results]
 
     seen: dict[str, str] = {}  # page -> its line in a search result
 
-    async def search(query: str) -> None:
-        for line in (await act("search", {"query": query})).splitlines():
+    def note_search(output: str) -> None:
+        for line in output.splitlines():
             if " | " in line:
                 seen.setdefault(line.split(" | ")[0].strip(), line)
 
     ticker, gold_pages = item["ticker"], list(item["gold_pages"])
     named = [a for a in LINE_ITEMS if a in item["question"]]
+    # waste that rides along with the first search
+    extra: list[tuple[str, dict[str, Any]]] = []
     if rng.random() < policy.list_company:
-        await act("list", {"path": f"reports/{ticker}"})
+        extra.append(("list", {"path": f"reports/{ticker}"}))
     if rng.random() < policy.search_question:
-        await search(item["question"])
+        extra.append(("search", {"query": item["question"]}))
     notes: list[str] = []
     for gold in gold_pages:
         year_dir = gold.rsplit("/", 1)[0]
@@ -220,25 +244,34 @@ async def scripted_conversation(
         needs = [a for a in named if _rows(peek.output, [a])]
         if not needs:
             return None
-        seen.pop(gold, None)  # look for it the direct way, whatever the question's search showed
-        await search(f"{ticker} {year} {needs[0]}")
+        outputs = await act([*extra, ("search", {"query": f"{ticker} {year} {needs[0]}"})])
+        for name_args, output in zip(extra, outputs, strict=False):
+            if name_args[0] == "search":
+                note_search(output)
+        extra = []
+        seen.pop(gold, None)  # take its row from the direct search, whatever the question's search showed
+        note_search(outputs[-1])
         if gold not in seen:
             return None
         rows = _rows(seen[gold], needs)
         if len(rows) < len(needs) or rng.random() >= policy.from_snippet:
+            reads: list[tuple[str, dict[str, Any]]] = []
             if rng.random() < policy.list_year:
-                await act("list", {"path": year_dir})
+                reads.append(("list", {"path": year_dir}))
             wrong = [p for p in seen if p not in gold_pages]
             if wrong and rng.random() < policy.wrong_page_first:
-                await act("cat", {"path": rng.choice(wrong)})
-            rows = _rows(await act("cat", {"path": gold}), needs)
+                reads.append(("cat", {"path": rng.choice(wrong)}))
+            rows = _rows((await act([*reads, ("cat", {"path": gold})]))[-1], needs)
         notes += [f"{year}: {row}" for row in rows]
     note = "\n".join(notes)
     percent = item["reference_answer"].endswith("%")
     expression = program_expression(item["program"], percent=percent)
+    if expression == item["program"].strip():  # a lookup: its value as the noted row writes it
+        cells = [cell for row in rows for cell in row.split(" | ")[1:]]
+        expression = next((cell for cell in cells if _same_number(cell, expression)), expression)
     answer = item["reference_answer"]
     if expression is not None and rng.random() < policy.calculator:
-        result = await act("calculator", {"expression": expression}, content=note)
+        result = (await act([("calculator", {"expression": expression})], content=note))[0]
         answer = _cut(result.strip()) + ("%" if percent else "")
         note = ""
     messages.append({"role": "assistant", "content": f"{note}\nAnswer: {answer}".strip()})

@@ -100,7 +100,12 @@ from trainer.errors import ConfigError, DataError
 from trainer.evaluate import summarize
 from trainer.metrics import MetricsSink, plot_training, read_jsonl
 from trainer.policy import load_policy
-from trainer.rollout import RolloutRecord, RolloutSettings, check_tool_call_costs, run_rollouts_async
+from trainer.rollout import (
+    RolloutRecord,
+    RolloutSettings,
+    check_tool_call_costs,
+    run_rollouts_async,
+)
 from trainer.tools import ToolClient, ToolEndpoint
 
 ADVANTAGE_EPS = 1e-6
