@@ -41,8 +41,8 @@ from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 
 # Bumped when the demonstrations change for the same data and settings, including through the
 # tools they call (v9: the search ranks by table row labels and column years too; v10: parallel
-# redundant calls, the calculator on every item).
-BOOTSTRAP_VERSION = "10"
+# redundant calls, the calculator on every item; v11: sequential again).
+BOOTSTRAP_VERSION = "11"
 HELD_OUT_ITEMS = 40  # eval items whose demonstrations measure the built model's copying
 
 
@@ -50,22 +50,21 @@ HELD_OUT_ITEMS = 40  # eval items whose demonstrations measure the built model's
 class ScriptedPolicy:
     """How the demonstrator browses; each probability is per item (or per page).
 
-    The redundant calls ride along in the turns of the needed ones, as parallel calls
-    (`list` and a whole-question `search` next to the targeted search, the year's `list`
-    and a wrong page next to the right page): a 1M-parameter model forgets what the
-    question asked when more turns stand between the question and the last step (a
-    demonstrator with ~5.4 calls in sequential turns gave 4.4 calls per rollout but a mean
-    score of 0.12), and parallel calls add calls without adding turns. Every item ends with
-    the calculator, a lookup's expression being its value, so that whether to call it does
-    not depend on the kind of question: without the calculator a lookup is right and a
-    change is wrong, and RL on mixed batches then unlearned the calculator for all."""
+    Every item ends with the calculator (a lookup's expression is its value), so whether
+    to call it does not depend on the kind of question: when lookups were answered
+    directly and changes computed, RL on mixed batches unlearned the calculator for all.
+    More redundancy costs score with a 1M-parameter model: ~5.4 calls in sequential turns
+    gave 4.4 calls per rollout but a mean score of 0.12 against 0.22 with these (2.3
+    calls), and the same waste as parallel calls in fewer turns (`parallel`) gave 3.4 calls
+    and 0.10 (the model copied the line item into its first search half as often)."""
 
-    list_company: float = 0.8  # `list reports/<TICKER>` next to the first search
-    search_question: float = 0.3  # a redundant search with the whole question next to it
-    list_year: float = 0.7  # `list reports/<TICKER>/<YEAR>` next to reading a page
-    wrong_page_first: float = 0.25  # also open a wrong page from the search results, before the right one
-    calculator: float = 0.8  # use the calculator (else answer directly, mental arithmetic a model cannot copy)
-    from_snippet: float = 0.3  # take a row from the search result's snippet instead of reading the page
+    list_company: float = 0.4  # `list reports/<TICKER>` before searching
+    search_question: float = 0.3  # a first, redundant search with the whole question
+    list_year: float = 0.3  # `list reports/<TICKER>/<YEAR>` before reading a page
+    wrong_page_first: float = 0.3  # open a wrong page from the search results first
+    calculator: float = 0.85  # use the calculator (else answer directly, mental arithmetic a model cannot copy)
+    from_snippet: float = 0.4  # take a row from the search result's snippet instead of reading the page
+    parallel: bool = False  # the redundant calls in the turns of the needed ones, as parallel calls
 
 
 @dataclass
@@ -195,8 +194,7 @@ async def scripted_conversation(
     its numbers from right above it. Its waste, for RL to remove: listing directories, a
     first search with the whole question, a wrong page before the right one, reading a
     page whose row the snippet already showed, and arithmetic without the calculator.
-    The waste rides along as parallel calls in the turns of the needed ones, and every
-    item ends with the calculator, a lookup's expression being the value itself (see
+    Every item ends with the calculator, a lookup's expression being the value itself (see
     ScriptedPolicy). None when the search cannot show a needed page (a few items)."""
     from envs.finqa.generate import LINE_ITEMS
 
@@ -205,7 +203,10 @@ async def scripted_conversation(
     n_calls = 0
 
     async def act(calls: list[tuple[str, dict[str, Any]]], content: str = "") -> list[str]:
-        """One assistant turn with `calls` (parallel when several); their outputs in order."""
+        """`calls` in one assistant turn (parallel calls) or, unless the policy is parallel,
+        one turn each; their outputs in order."""
+        if not policy.parallel and len(calls) > 1:
+            return [(await act([call], content if i == len(calls) - 1 else ""))[0] for i, call in enumerate(calls)]
         nonlocal n_calls
         made = [_call(name, arguments, n_calls + i) for i, (name, arguments) in enumerate(calls)]
         n_calls += len(made)

@@ -150,8 +150,14 @@ class RolloutConfig(Section):
     )
     max_episode_steps: int = Field(10, ge=1, description="Tool-call budget per rollout.")
     max_turns: int = Field(12, ge=1, description="Assistant turns per rollout.")
-    max_new_tokens_per_turn: int = Field(96, ge=1, description="Generated tokens per assistant turn.")
-    max_total_tokens: int = Field(2048, ge=64, description="Context limit of one rollout.")
+    max_new_tokens_per_turn: int = Field(
+        256, ge=1, description="Generated tokens per assistant turn at most (a turn of several "
+        "parallel tool calls needs room for all of them)."
+    )
+    max_total_tokens: int = Field(
+        2048, ge=64, description="Context limit of one rollout: the prompt, the tool outputs and "
+        "what the model writes. A turn gets what is left of it, up to max_new_tokens_per_turn."
+    )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     max_concurrent_rollouts: int = Field(64, ge=1, description="Rollouts decoding at once.")

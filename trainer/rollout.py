@@ -22,6 +22,7 @@ are never a score of 0. A grader that cannot run leaves `score` None too, with i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -92,7 +93,7 @@ class RolloutSettings:
     system_prompt: str | None = None
     max_episode_steps: int = 10
     max_turns: int = 12
-    max_new_tokens_per_turn: int = 96
+    max_new_tokens_per_turn: int = 256
     max_total_tokens: int = 2048
     temperature: float = 1.0
     top_p: float = 1.0
@@ -118,6 +119,9 @@ class RolloutSettings:
             per_token_penalty=penalties.per_token,
             penalties_correct_only=penalties.correct_only,
         )
+
+
+MIN_TURN_TOKENS = 32  # a turn with fewer tokens of context left than this ends the rollout
 
 
 def check_tool_call_costs(
@@ -258,13 +262,17 @@ async def _loop_turns(
 ) -> None:
     messages = record.messages
     while True:
-        if len(record.token_ids) + len(append_ids) + params.max_new_tokens > settings.max_total_tokens:
+        # A turn gets the tokens left in the context, up to the per-turn limit; a rollout
+        # stops when too few are left for a turn to say anything.
+        room = settings.max_total_tokens - len(record.token_ids) - len(append_ids)
+        if room < min(MIN_TURN_TOKENS, params.max_new_tokens):
             record.status = "max_turns"
             return
         record.token_ids.extend(append_ids)
         record.gen_mask.extend([0] * len(append_ids))
         record.logprobs.extend([0.0] * len(append_ids))
-        output: TurnOutput = await driver.turn(seq_id, append_ids, params)
+        turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+        output: TurnOutput = await driver.turn(seq_id, append_ids, turn_params)
         record.token_ids.extend(output.token_ids)
         record.gen_mask.extend([1] * len(output.token_ids))
         record.logprobs.extend(output.logprobs)
