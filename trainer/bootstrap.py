@@ -246,9 +246,8 @@ async def scripted_conversation(
         if not needs:
             return None
         outputs = await act([*extra, ("search", {"query": f"{ticker} {year} {needs[0]}"})])
-        for name_args, output in zip(extra, outputs, strict=False):
-            if name_args[0] == "search":
-                note_search(output)
+        for output in outputs[:-1]:  # a listing has no result lines; the question's search does
+            note_search(output)
         extra = []
         seen.pop(gold, None)  # take its row from the direct search, whatever the question's search showed
         note_search(outputs[-1])
