@@ -41,8 +41,9 @@ from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 
 # Bumped when the demonstrations change for the same data and settings, including through the
 # tools they call (v9: the search ranks by table row labels and column years too; v10: parallel
-# redundant calls, the calculator on every item; v11: sequential again).
-BOOTSTRAP_VERSION = "11"
+# redundant calls, the calculator on every item; v11: sequential again; v12: a plan line
+# and a second, redundant calculator call).
+BOOTSTRAP_VERSION = "12"
 HELD_OUT_ITEMS = 40  # eval items whose demonstrations measure the built model's copying
 
 
@@ -56,14 +57,17 @@ class ScriptedPolicy:
     More redundancy costs score with a 1M-parameter model: ~5.4 calls in sequential turns
     gave 4.4 calls per rollout but a mean score of 0.12 against 0.22 with these (2.3
     calls), and the same waste as parallel calls in fewer turns (`parallel`) gave 3.4 calls
-    and 0.10 (the model copied the line item into its first search half as often)."""
+    and 0.10 (the model copied the line item into its first search half as often). The
+    cheapest waste for a small model comes after the numbers are read: `recheck` runs the
+    same calculation a second time, whose short result repeats the first."""
 
-    list_company: float = 0.4  # `list reports/<TICKER>` before searching
+    list_company: float = 0.6  # `list reports/<TICKER>` before searching
     search_question: float = 0.3  # a first, redundant search with the whole question
     list_year: float = 0.3  # `list reports/<TICKER>/<YEAR>` before reading a page
     wrong_page_first: float = 0.3  # open a wrong page from the search results first
     calculator: float = 0.85  # use the calculator (else answer directly, mental arithmetic a model cannot copy)
     from_snippet: float = 0.4  # take a row from the search result's snippet instead of reading the page
+    recheck: float = 0.85  # after the calculator, call it again with the same expression before answering
     parallel: bool = False  # the redundant calls in the turns of the needed ones, as parallel calls
 
 
@@ -144,6 +148,23 @@ def program_expression(program: str, *, percent: bool) -> str | None:
     return f"({expression})*100" if percent else expression
 
 
+def plan_of(program: str, *, percent: bool) -> str:
+    """What a FinQA program asks for, in the words the demonstrator's first turn writes
+    (`Plan: percent change`) and repeats above its calculation: the kind of question is
+    decided right below the question, and the expression is written right below its
+    restatement, instead of across the whole conversation from the question."""
+    ops = re.findall(r"([a-z_]+)\(", program)
+    kinds = {
+        (): "value",
+        ("subtract",): "change",
+        ("subtract", "divide"): "percent change",
+        ("divide",): "share" if percent else "ratio",
+        ("add", "add"): "total",
+        ("add", "add", "divide"): "average",
+    }
+    return kinds.get(tuple(ops), "calculation")
+
+
 def _call(name: str, arguments: dict[str, Any], index: int) -> dict[str, Any]:
     return {
         "id": f"call_{index}",
@@ -195,12 +216,16 @@ async def scripted_conversation(
     first search with the whole question, a wrong page before the right one, reading a
     page whose row the snippet already showed, and arithmetic without the calculator.
     Every item ends with the calculator, a lookup's expression being the value itself (see
-    ScriptedPolicy). None when the search cannot show a needed page (a few items)."""
+    ScriptedPolicy), often twice (`recheck`). The first turn names what the question asks
+    for (`Plan: change`, see `plan_of`) and the notes above the calculation repeat it.
+    None when the search cannot show a needed page (a few items)."""
     from envs.finqa.generate import LINE_ITEMS
 
     messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}, *item["messages"]]
     trace_id = new_trace_id()
     n_calls = 0
+    percent = item["reference_answer"].endswith("%")
+    plan = f"Plan: {plan_of(item['program'], percent=percent)}"
 
     async def act(calls: list[tuple[str, dict[str, Any]]], content: str = "") -> list[str]:
         """`calls` in one assistant turn (parallel calls) or, unless the policy is parallel,
@@ -208,6 +233,8 @@ async def scripted_conversation(
         if not policy.parallel and len(calls) > 1:
             return [(await act([call], content if i == len(calls) - 1 else ""))[0] for i, call in enumerate(calls)]
         nonlocal n_calls
+        if not n_calls:  # the first turn, right below the question, names what it asks for
+            content = "\n".join(filter(None, [plan, content]))
         made = [_call(name, arguments, n_calls + i) for i, (name, arguments) in enumerate(calls)]
         n_calls += len(made)
         messages.append({"role": "assistant", "content": content, "tool_calls": made})
@@ -263,8 +290,7 @@ async def scripted_conversation(
                 reads.append(("cat", {"path": rng.choice(wrong)}))
             rows = _rows((await act([*reads, ("cat", {"path": gold})]))[-1], needs)
         notes += [f"{year}: {row}" for row in rows]
-    note = "\n".join(notes)
-    percent = item["reference_answer"].endswith("%")
+    note = "\n".join([plan, *notes])
     expression = program_expression(item["program"], percent=percent)
     if expression == item["program"].strip():  # a lookup: its value as the noted row writes it
         cells = [cell for row in rows for cell in row.split(" | ")[1:]]
@@ -272,6 +298,8 @@ async def scripted_conversation(
     answer = item["reference_answer"]
     if expression is not None and rng.random() < policy.calculator:
         result = (await act([("calculator", {"expression": expression})], content=note))[0]
+        if rng.random() < policy.recheck:
+            result = (await act([("calculator", {"expression": expression})]))[0]
         answer = _cut(result.strip()) + ("%" if percent else "")
         note = ""
     messages.append({"role": "assistant", "content": f"{note}\nAnswer: {answer}".strip()})
@@ -574,7 +602,8 @@ def bootstrap_demo_model(
         )
     demo_seconds = time.perf_counter() - started
     # What the assistant copies out of the question: the company and the line items.
-    copy_words = re.compile("|".join(rf"\b{re.escape(word)}\b" for word in [*TICKERS, *LINE_ITEMS]))
+    # and the plan it names (see plan_of), the decision the expression rests on.
+    copy_words = re.compile("|".join([*(rf"\b{re.escape(word)}\b" for word in [*TICKERS, *LINE_ITEMS]), r"(?<=Plan: )[a-z ]+"]))
     examples = [
         encode_conversation(
             tokenizer, messages, tools, number_weight=settings.number_weight,

@@ -21,6 +21,7 @@ from trainer.bootstrap import (
     copy_accuracy,
     encode_conversation,
     program_expression,
+    plan_of,
     read_items,
 )
 from trainer.graders import grade
@@ -120,15 +121,43 @@ def test_demonstrations_are_correct_but_wander(demos) -> None:
     assert sum(calls) / len(calls) >= 3.0  # redundant browsing on purpose
     assert len(set(calls)) > 1
     # every item ends with the calculator or answers directly; a lookup computes its value as written
-    lookups_computed = 0
+    lookups_computed = rechecked = 0
     for conversation in conversations:
         item = _item_of(conversation, items)
-        last_calls = [c for m in conversation if m.get("tool_calls") for c in m["tool_calls"]][-1]["function"]
-        if item["category"] == "single_lookup" and last_calls["name"] == "calculator":
-            expression = json.loads(last_calls["arguments"])["expression"]
-            assert any(f"| {expression} |" in f"{row} |" for row in conversation[-3]["content"].splitlines())
+        # the first turn names what the question asks for; the notes above the answer repeat it
+        plan = f"Plan: {plan_of(item['program'], percent=item['reference_answer'].endswith('%'))}"
+        turns = [m for m in conversation if m["role"] == "assistant"]
+        assert turns[0]["content"].splitlines()[0] == plan
+        noted = next(m for m in turns if " | " in m["content"])
+        assert noted["content"].splitlines()[0] == plan
+        calculations = [c["function"] for m in turns for c in m.get("tool_calls") or [] if c["function"]["name"] == "calculator"]
+        if calculations:
+            # the calculator comes last, right below the notes, maybe twice with the same expression
+            assert noted.get("tool_calls") and noted["tool_calls"][0]["function"] == calculations[0]
+            assert all(c == calculations[0] for c in calculations) and len(calculations) <= 2
+            rechecked += len(calculations) == 2
+        if item["category"] == "single_lookup" and calculations:
+            expression = json.loads(calculations[0]["arguments"])["expression"]
+            assert any(f"| {expression} |" in f"{row} |" for row in noted["content"].splitlines())
             lookups_computed += 1
-    assert lookups_computed > 0
+    assert lookups_computed > 0 and rechecked > 0
+
+
+@pytest.mark.parametrize(
+    ("program", "percent", "plan"),
+    [
+        ("346.9", False, "value"),
+        ("subtract(540, 480)", False, "change"),
+        ("subtract(540, 480), divide(#0, 480)", True, "percent change"),
+        ("divide(12, 48)", False, "ratio"),
+        ("divide(12, 48)", True, "share"),
+        ("add(1, 2), add(#0, 3)", False, "total"),
+        ("add(1, 2), add(#0, 3), divide(#1, const_3)", False, "average"),
+        ("multiply(2, 3)", False, "calculation"),
+    ],
+)
+def test_plan_names_what_the_program_computes(program: str, percent: bool, plan: str) -> None:
+    assert plan_of(program, percent=percent) == plan
 
 
 def test_encoding_trains_only_assistant_tokens_and_weights_copies(demos) -> None:
