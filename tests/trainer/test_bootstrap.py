@@ -20,8 +20,8 @@ from trainer.bootstrap import (
     collect_demonstrations,
     copy_accuracy,
     encode_conversation,
-    program_expression,
     plan_of,
+    program_expression,
     read_items,
 )
 from trainer.graders import grade
