@@ -240,7 +240,8 @@ async def _one_rollout(
         try:
             await _loop_turns(driver, tokenizer, record, item, append_ids, params, tools, tool_client, settings, seq_id)
         finally:
-            driver.backend.release(seq_id)
+            if record.token_ids:  # a sequence exists once its first turn was submitted
+                driver.backend.release(seq_id)
         record.latency_s = time.perf_counter() - started
     if record.status != "infra_error":
         await _grade(record, item, grader)

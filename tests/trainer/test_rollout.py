@@ -11,6 +11,7 @@ about the real loop, real HTTP and real tokens.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -203,3 +204,28 @@ def test_same_seed_same_rollouts_and_loss_mask_covers_generated_tokens(taught, w
         mask = torch.tensor(record.gen_mask[1:], dtype=torch.bool)
         expected = torch.tensor(record.logprobs[1:])[mask]
         assert torch.allclose(logp[mask], expected, atol=1e-4)
+
+
+def test_a_turn_gets_the_context_left_and_a_rollout_stops_when_too_little_is(taught, world):
+    from trainer.rollout import MIN_TURN_TOKENS
+
+    items, corpus = world
+    base = RolloutSettings(system_prompt=SYSTEM, temperature=0.0, max_new_tokens_per_turn=200)
+    with local_tool_endpoints(corpus) as endpoints:
+        (full,) = _run(taught, world, endpoints=endpoints, items=[items[3]], settings=base)
+        prompt = full.gen_mask.index(1)
+        first_turn = full.gen_mask[prompt:].index(0)
+        assert first_turn > MIN_TURN_TOKENS + 8  # a tool-call turn, long enough to be cut
+        room = MIN_TURN_TOKENS + 4
+        tight = dataclasses.replace(base, max_total_tokens=prompt + room)
+        (cut,) = _run(taught, world, endpoints=endpoints, items=[items[3]], settings=tight)
+        none = dataclasses.replace(base, max_total_tokens=prompt + MIN_TURN_TOKENS - 1)
+        (stopped,) = _run(taught, world, endpoints=endpoints, items=[items[3]], settings=none)
+    assert full.status == "ok" and full.score == 1.0
+    # the first turn had only `room` tokens left under a 200-token turn limit: it got all
+    # of them (the same tokens as without the limit, cut), and the rollout then stopped
+    assert cut.tokens_generated == room and len(cut.token_ids) == prompt + room
+    assert cut.token_ids == full.token_ids[: prompt + room]
+    assert cut.status == "max_turns" and cut.score == 0.0
+    # with fewer than MIN_TURN_TOKENS left, no turn starts at all
+    assert stopped.status == "max_turns" and stopped.tokens_generated == 0 and stopped.turns == 0
