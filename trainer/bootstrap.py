@@ -602,8 +602,8 @@ def bootstrap_demo_model(
             )
         )
     demo_seconds = time.perf_counter() - started
-    # What the assistant copies out of the question: the company and the line items.
-    # and the plan it names (see plan_of), the decision the expression rests on.
+    # What the assistant copies out of the question (the company, the line items) and the
+    # plan it names (see plan_of), the decision its expression rests on.
     copy_words = re.compile("|".join([*(rf"\b{re.escape(word)}\b" for word in [*TICKERS, *LINE_ITEMS]), r"(?<=Plan: )[a-z ]+"]))
     examples = [
         encode_conversation(
