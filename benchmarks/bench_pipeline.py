@@ -2,7 +2,7 @@
 not rollouts, training or evaluation, as a share of the run's wall time.
 
 The pipeline (flows/pipeline.py) runs once on the micro preset of the pipeline tests
-(tests/flows/conftest.py: two training and two evaluation items, k = 2, two GRPO steps
+(tests/pipeline_world.py: two training and two evaluation items, k = 2, two GRPO steps
 in an `accelerate launch`ed subprocess) with the taught model, Prefect in its ephemeral
 mode under a fresh PREFECT_HOME (as `make demo` runs it) and MLflow on a SQLite file.
 Compute is the time inside `run_evaluation` (every baseline, prompt-variant and
@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.taught_world import REPO, taught_world
 from envs.finqa.local import local_tool_endpoints
-from tests.flows.conftest import micro, pin
+from tests.pipeline_world import micro, pin
 from tests.taught_model import OUTPUT_CHARS, copy_items
 from trainer.bootstrap import read_items
 from trainer.metrics import read_jsonl
