@@ -54,13 +54,14 @@ class ScriptedPolicy:
     Every item ends with the calculator (a lookup's expression is its value), so whether
     to call it does not depend on the kind of question: when lookups were answered
     directly and changes computed, RL on mixed batches unlearned the calculator for all.
-    More redundancy costs score with a 1M-parameter model: ~5.4 calls in sequential turns
-    gave 4.4 calls per rollout but a mean score of 0.12 against 0.22 with these (2.3
-    calls), and the same waste as parallel calls in fewer turns (`parallel`) gave 3.4 calls
-    and 0.10 (the model copied the line item into its first search half as often). Waste
-    that comes after the numbers are read costs nothing: `recheck` runs the same
+    Browsing waste costs score with a 1M-parameter model: ~5.4 calls in sequential turns
+    gave 4.4 calls per rollout but a mean score of 0.12 against 0.22 with lighter browsing
+    (2.3 calls), and the same waste as parallel calls in fewer turns (`parallel`) gave 3.4
+    calls and 0.10 (the model copied the line item into its first search half as often).
+    Waste that comes after the numbers are read costs nothing: `recheck` runs the same
     calculation a second time, whose short result repeats the first. With it and the plan
-    line (see `plan_of`): 4.8 calls per rollout and a mean score of 0.52."""
+    line (see `plan_of`), these probabilities give 4.8 calls per rollout and a mean score
+    of 0.52."""
 
     list_company: float = 0.6  # `list reports/<TICKER>` before searching
     search_question: float = 0.3  # a first, redundant search with the whole question
