@@ -29,7 +29,7 @@ from benchmarks.taught_world import REPO, taught_world
 from envs.finqa.local import local_tool_endpoints
 from tests.pipeline_world import micro, pin
 from tests.taught_model import OUTPUT_CHARS, copy_items
-from trainer.bootstrap import read_items
+from trainer.data import read_items
 from trainer.metrics import read_jsonl
 
 
@@ -39,7 +39,7 @@ def pipeline_world(root: Path) -> Path:
     data.mkdir(parents=True)
     items = read_items(REPO / "data" / "train.jsonl", 4)
     copy_items(REPO / "data", items[:2], data, "train.jsonl")
-    copy_items(REPO / "data", items[2:], data, "eval.jsonl")
+    copy_items(REPO / "data", items[2:], data, "validation.jsonl")
     pin(data, root / "data.dvc")
     return root
 

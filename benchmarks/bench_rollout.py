@@ -31,9 +31,9 @@ import torch
 
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import local_tool_endpoints
-from trainer.bootstrap import read_items, resolve_base_model
 from trainer.chat_format import parse_assistant_output
 from trainer.config import load_config
+from trainer.data import read_items
 from trainer.policy import load_policy
 from trainer.rollout import RolloutSettings, run_rollouts_async
 from trainer.tools import ToolClient, new_trace_id

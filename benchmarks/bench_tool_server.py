@@ -76,7 +76,7 @@ def demo_corpus(tmp: Path) -> tuple[Path, list[str]]:
         print("data/corpus not found: generating the demo dataset")
         generate_dataset(tmp / "demo", n_train=10, n_eval=200, n_traffic=10)
         data = tmp / "demo"
-    questions = [json.loads(line)["question"] for line in (data / "eval.jsonl").open()]
+    questions = [json.loads(line)["question"] for line in (data / "validation.jsonl").open()]
     return data / "corpus", questions
 
 

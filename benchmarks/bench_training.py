@@ -41,9 +41,9 @@ from transformers import AutoTokenizer, Qwen3Config
 
 from benchmarks.taught_world import TaughtWorld, taught_world, training_config
 from envs.finqa.local import local_tool_endpoints
+from envs.finqa.tiny_model import build_model, tiny_config
 from tests.taught_model import OUTPUT_CHARS
 from trainer.grpo import GRPOTrainer, token_logprobs
-from trainer.modeling import build_model, tiny_config
 from trainer.rollout import RolloutRecord
 
 

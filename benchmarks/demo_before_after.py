@@ -22,9 +22,9 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from envs.finqa.demo_model import resolve_base_model
 from tasks.evaluate import compare
 from tasks.rollout_eval import eval_items, evaluate_model
-from trainer.bootstrap import resolve_base_model
 from trainer.config import load_config
 
 ROWS = (("score_mean", "score"), ("best_of_k_mean", "best-of-k"), ("tool_calls_mean", "tool calls / rollout"),

@@ -18,8 +18,8 @@ from typing import Any
 
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS, copy_items, teach_model
-from trainer.bootstrap import read_items
 from trainer.config import PipelineConfig, config_from_dict
+from trainer.data import read_items
 from trainer.tools import ToolEndpoint
 
 REPO = Path(__file__).resolve().parent.parent

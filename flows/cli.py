@@ -1,19 +1,21 @@
-"""The `agentrft` command line.
+"""The `agentrft` command line: one typer app, one parser.
 
-Each subcommand is a thin front over `trainer/`, `envs/` and `flows/`. Errors a user can
-cause are `AgentRFTError`s: they are printed as one clear message and the command exits
-with status 2, never with a Python traceback. Heavy libraries are imported inside the
-subcommands so that `agentrft --help` stays instant.
+Each command is a thin front over `trainer/`, `tasks/`, `flows/` and the demo environment
+(`envs/finqa/`). `run`, `train` and `eval` take torchtune-style overrides
+(`--set training.max_steps=2`, repeated). Errors a user can cause are `AgentRFTError`s:
+printed as one clear message, exit status 2, never a Python traceback. Heavy libraries
+are imported inside the commands so that `agentrft --help` stays instant.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Annotated, Any
+
+import typer
 
 from trainer.errors import AgentRFTError
 
@@ -21,129 +23,173 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+DEMO_CONFIG = "envs/finqa/demo.yaml"
+app = typer.Typer(name="agentrft", help="Self-hosted Agent Reinforcement Fine-Tuning.", no_args_is_help=True,
+                  pretty_exceptions_enable=False, add_completion=False)
+data_app = typer.Typer(help="The demo's data: generate, verify, import FinQA.", no_args_is_help=True)
+env_app = typer.Typer(help="Example environments.", no_args_is_help=True)
+grader_app = typer.Typer(help="Validate, run and probe graders.", no_args_is_help=True)
+config_app = typer.Typer(help="Pipeline configs.", no_args_is_help=True)
+model_app = typer.Typer(help="The demo's base model.", no_args_is_help=True)
+expectations_app = typer.Typer(help="Great Expectations suites.", no_args_is_help=True)
+for sub, name in ((data_app, "data"), (env_app, "env"), (grader_app, "grader"), (config_app, "config"),
+                  (model_app, "model"), (expectations_app, "expectations")):
+    app.add_typer(sub, name=name)
 
-def _data_generate(args: argparse.Namespace) -> int:
-    from envs.finqa.generate import generate_dataset
-
-    counts = generate_dataset(Path(args.out), seed=args.seed, drift=args.drift)
-    print(json.dumps(counts, indent=2))
-    return 0
-
-
-def _data_verify(args: argparse.Namespace) -> int:
-    from envs.finqa.dvc_pin import verify_data
-
-    result = verify_data(Path(args.data_dir), Path(args.dvc_file), seed=args.seed)
-    print(result.message)
-    return 0 if result.ok else 1
-
-
-def _data_import_finqa(args: argparse.Namespace) -> int:
-    from envs.finqa.finqa_format import load_finqa_json
-
-    count = load_finqa_json(Path(args.json_file), Path(args.out), split_name=args.split)
-    print(f"wrote {count} items to {Path(args.out) / (args.split + '.jsonl')}")
-    return 0
+ConfigOption = Annotated[Path, typer.Option("--config", "-c", help="Pipeline config (YAML).")]
+SetOption = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="SECTION.KEY=VALUE",
+                                                     help="Override a config value (repeatable).")]
+RefreshOption = Annotated[list[str] | None, typer.Option("--refresh", metavar="STAGE",
+                                                         help="Re-run this stage (and the later ones) even if cached.")]
 
 
-def _env_serve(args: argparse.Namespace) -> int:
-    from envs.finqa.faults import FaultConfig
-    from envs.finqa.server import serve
+def _config(path: Path, assignments: list[str] | None) -> Any:
+    from trainer.config import load_config, missing_env_vars, parse_overrides
 
-    faults = FaultConfig(
-        error_rate=args.error_rate,
-        timeout_rate=args.timeout_rate,
-        drop_rate=args.drop_rate,
-        latency_ms=args.latency_ms,
-    )
-    serve(Path(args.corpus), host=args.host, port=args.port, faults=faults)
-    return 0
-
-
-def _load_json_file(path: str, what: str) -> dict:
-    file = Path(path)
-    if not file.is_file():
-        raise AgentRFTError(f"{file}: {what} file not found")
-    try:
-        return json.loads(file.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise AgentRFTError(f"{file}: not valid UTF-8 (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise AgentRFTError(f"{file}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-
-
-def _grader_validate(args: argparse.Namespace) -> int:
-    from trainer.graders import validate_grader_file
-
-    validate_grader_file(Path(args.grader))
-    print(json.dumps({"grader": args.grader, "valid": True}))
-    return 0
-
-
-def _grader_run(args: argparse.Namespace) -> int:
-    from trainer.graders import run_grader_cli
-
-    sample = args.sample
-    if args.sample_file:
-        try:
-            sample = Path(args.sample_file).read_bytes().decode("utf-8")
-        except OSError as exc:
-            raise AgentRFTError(f"{args.sample_file}: cannot read the sample file ({exc.strerror})") from None
-        except UnicodeDecodeError as exc:
-            raise AgentRFTError(f"{args.sample_file}: not valid UTF-8 (byte {exc.start})") from None
-    if sample is None:
-        raise AgentRFTError("grader run: pass --sample TEXT or --sample-file FILE")
-    result = run_grader_cli(Path(args.grader), Path(args.item), sample)
-    print(json.dumps(result, indent=2))
-    return 0 if result.get("reward") is not None else 1  # the grader could not score it
-
-
-def _config_validate(args: argparse.Namespace) -> int:
-    from trainer.config import load_config, missing_env_vars
-
-    config = load_config(args.config)
+    config = load_config(path, parse_overrides(assignments))
     missing = missing_env_vars(config)
     if missing:
-        raise AgentRFTError(
-            f"{args.config}: environment variables referenced by tool headers are not set: "
-            + ", ".join(missing)
-        )
-    print(json.dumps({"config": args.config, "valid": True, "hash": config.section_hash()}))
-    return 0
+        raise AgentRFTError(f"{path}: environment variables referenced by tool headers are not set: "
+                            + ", ".join(missing))
+    return config
 
 
-def _model_bootstrap(args: argparse.Namespace) -> int:
-    from trainer.bootstrap import resolve_base_model
-    from trainer.config import load_config
-
-    config = load_config(args.config)
-    if config.model.base_model != "demo":
-        raise AgentRFTError(f"{args.config}: model.base_model is {config.model.base_model!r}; bootstrap builds only 'demo'")
-    print(resolve_base_model(config))
-    return 0
+# --- the pipeline ---------------------------------------------------------------------------
 
 
-def _eval(args: argparse.Namespace) -> int:
-    from tasks.rollout_eval import eval_items, evaluate_model
-    from trainer.bootstrap import resolve_base_model
-    from trainer.config import load_config
-    from trainer.evaluate import write_outputs
+def _run_pipeline(config: Any, refresh: list[str]) -> dict[str, Any]:
+    """Run the pipeline flow; a failed run's reason becomes the command's error."""
+    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
 
-    config = load_config(args.config)
-    model = args.model or resolve_base_model(config)
-    items = eval_items(config, args.max_items or config.baseline.max_items)
-    summary, records = evaluate_model(config, model, items, k=args.k or config.baseline.k,
-                                      seed=config.baseline.seed, prefix="eval")
-    paths = write_outputs(summary, records, Path(args.out))
-    _print_summary(summary)
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
-    return 0
+    state = agent_rft_pipeline(**pipeline_parameters(config, refresh), return_state=True)
+    return _result(state, "the pipeline")
 
 
-def _print_summary(summary) -> None:
+def _result(state: Any, what: str) -> Any:
+    try:
+        return state.result()
+    except AgentRFTError:
+        raise
+    except Exception as exc:
+        raise AgentRFTError(f"{what} failed: {exc}") from None
+
+
+def print_outcome(outcome: dict[str, Any], config: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    console = Console()
+    before_after = outcome.get("before_after")
+    if before_after:
+        table = Table(title="before / after (same test items and seeds)")
+        for column in ("metric", "baseline", "candidate", "change"):
+            table.add_column(column, justify="left" if column == "metric" else "right")
+        for name, values in before_after.items():
+            b, a = values["baseline"], values["candidate"]
+            table.add_row(name, f"{b:.4g}", f"{a:.4g}", f"{(a - b) / b:+.1%}" if b else "n/a")
+        console.print(table)
+        gain = outcome["score_gain"]
+        console.print(f"score gain on the test split {gain['gain']:+.4f}, 95% CI [{gain['low']:+.4f}, "
+                      f"{gain['high']:+.4f}] ({outcome.get('test_split', 'test file')})")
+    console.print(f"outcome: {outcome['outcome']}: {outcome.get('decision', outcome.get('reason', ''))}")
+    cached = [name for name, stage in outcome.get("stages", {}).items() if stage["cached"]]
+    if cached:
+        console.print(f"served from cache: {', '.join(cached)}")
+    for name, uri in outcome.get("figures", {}).items():
+        console.print(f"figure ({name}): {uri}")
+    console.print(f"MLflow parent run: {outcome['parent_run_id']}")
+    console.print("open the UIs: `agentrft ui` (Prefect http://127.0.0.1:4200, MLflow http://127.0.0.1:5000); "
+                  f"promote or roll back: `agentrft promote --name {config.registered_model} --action rollback`")
+
+
+@app.command()
+def run(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None, refresh: RefreshOption = None,
+        openai_job: Annotated[Path | None, typer.Option(help="An OpenAI fine-tuning job body (method "
+                                                              "reinforcement), laid over --config.")] = None,
+        model: Annotated[str | None, typer.Option(help="With --openai-job: the base model path or hub id.")] = None,
+        ) -> None:
+    """Run the pipeline: validate, baseline, prompts, RFT, regression eval, promotion."""
+    if openai_job is not None:
+        import yaml
+
+        from flows.openai_job import load_openai_job
+        from trainer.config import merge_overrides, parse_overrides
+
+        base = yaml.safe_load(config.read_text()) if config.is_file() else None
+        pipeline_config, notes = load_openai_job(openai_job, base=merge_overrides(base or {}, parse_overrides(set_)),
+                                                 model=model)
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+    else:
+        pipeline_config = _config(config, set_)
+    print_outcome(_run_pipeline(pipeline_config, refresh or []), pipeline_config)
+
+
+@app.command()
+def demo(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None, refresh: RefreshOption = None) -> None:
+    """The whole pipeline on the embedded FinQA-style default (what `make demo` runs)."""
+    from envs.finqa.demo import run_demo
+
+    pipeline_config = _config(config, set_)
+    outcome = run_demo(pipeline_config, refresh or [])
+    print_outcome(outcome, pipeline_config)
+    print(f"demo wall time: {outcome['wall_s']:.0f} s")
+
+
+@app.command()
+def train(config: ConfigOption, set_: SetOption = None,
+          model: Annotated[str | None, typer.Option(help="Model path or hub id (default: model.base_model).")] = None,
+          output_dir: Annotated[str | None, typer.Option(help="Default: training.output_dir.")] = None,
+          mlflow_run_id: Annotated[str | None, typer.Option(help="Log metrics to this MLflow run.")] = None,
+          resume: Annotated[bool, typer.Option(help="Continue from the newest checkpoint.")] = False) -> None:
+    """RFT training alone (GRPO); launches `accelerate` processes when the config asks for them."""
+    import subprocess
+
+    from trainer.launch import launch_command, needs_launcher, run
+
+    pipeline_config = _config(config, set_)
+    if needs_launcher(pipeline_config):
+        argv = ["--config", str(config), *(f"--set={a}" for a in set_ or []), *(["--model", model] if model else []),
+                *(["--output-dir", output_dir] if output_dir else []),
+                *(["--mlflow-run-id", mlflow_run_id] if mlflow_run_id else []), *(["--resume"] if resume else [])]
+        command, env = launch_command(pipeline_config, argv)
+        raise typer.Exit(subprocess.call(command, env={**os.environ, **env}))
+    run(pipeline_config, model=model, output_dir=output_dir, mlflow_run_id=mlflow_run_id, resume=resume)
+
+
+@app.command(name="eval")
+def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
+             model: Annotated[str | None, typer.Option(help="Path, hub id or models:/ URI.")] = None,
+             k: Annotated[int | None, typer.Option(help="Samples per item (default baseline.k).")] = None,
+             max_items: Annotated[int | None, typer.Option(help="Items to evaluate.")] = None,
+             split: Annotated[str, typer.Option(help="validation or test.")] = "validation",
+             out: Annotated[Path, typer.Option(help="Output folder.")] = Path("runs/eval")) -> None:
+    """Evaluate a model: k rollouts per item of a split, with progress and a summary table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tasks.tracking import resolve_tracking_uri
+    from trainer.data import split_items
+    from trainer.evaluate import run_evaluation, write_outputs
+    from trainer.policy import load_policy, local_model_path
+    from trainer.rollout import RolloutSettings
+    from trainer.tools import ToolClient
+
+    c = _config(config, set_)
+    if split not in ("validation", "test"):
+        raise AgentRFTError(f"--split must be validation or test, got {split!r}")
+    items = split_items(c.data, split, max_items or c.baseline.max_items)
+    policy = load_policy(local_model_path(model or c.model.base_model,
+                                          tracking_uri=resolve_tracking_uri(c.mlflow.tracking_uri)),
+                         device=c.model.device, dtype=c.model.dtype)
+    backend = policy.backend(max_slots=c.rollout.max_concurrent_rollouts, max_len=c.rollout.max_total_tokens,
+                             seed=c.baseline.seed)
+    summary, records = run_evaluation(
+        backend, policy.tokenizer, items, k=k or c.baseline.k, tool_client=ToolClient.from_config(c.tools),
+        grader=c.grader, settings=RolloutSettings.from_config(c.rollout, c.penalties), tools=c.tools.schemas,
+        max_concurrent=c.rollout.max_concurrent_rollouts, prefix="eval", group_by=c.promotion.group_by,
+    )
+    paths = write_outputs(summary, records, out)
     table = Table(title="evaluation")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -151,302 +197,247 @@ def _print_summary(summary) -> None:
         table.add_row(name, f"{value:.4g}")
     table.add_row("status", json.dumps(summary.status_counts))
     table.add_row("grader errors", json.dumps(summary.grader_errors))
+    for group, mean in summary.group_means.items():
+        table.add_row(f"{c.promotion.group_by}: {group}", f"{mean:.4g}")
     Console().print(table)
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
 
 
-def _serve_model(args: argparse.Namespace) -> int:
-    from trainer.model_server import serve_model
+@app.command()
+def promote(name: Annotated[str, typer.Option(help="Registered model name.")],
+            version: Annotated[str, typer.Option(help="Version or alias (promote: default challenger).")] = "",
+            action: Annotated[str, typer.Option(help="promote or rollback.")] = "promote",
+            tracking_uri: Annotated[str, typer.Option(help="MLflow store.")] = "sqlite:///mlflow.db") -> None:
+    """Promote a registered version to champion, or roll champion back (a Prefect flow)."""
+    from flows.pipeline import promote_model
 
-    serve_model(args.model, host=args.host, port=args.port, device=args.device, max_len=args.max_len)
-    return 0
+    if action not in ("promote", "rollback"):
+        raise AgentRFTError(f"--action must be promote or rollback, got {action!r}")
+    state = promote_model(name=name, version_or_alias=version, action=action, tracking_uri=tracking_uri,
+                          return_state=True)
+    print(json.dumps(_result(state, "promote-model"), indent=2))
 
 
-def _expectations_derive(args: argparse.Namespace) -> int:
-    from tasks.validate import derive_suite_cli
+@app.command()
+def serve(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None) -> None:
+    """Serve the pipeline (its cron) and the promotion flow as Prefect deployments."""
+    from flows.serve import serve_deployments
 
-    path = derive_suite_cli(Path(args.traffic), Path(args.out))
-    print(f"wrote {path}")
-    return 0
+    serve_deployments(_config(config, set_))
 
 
-def _grader_probe(args: argparse.Namespace) -> int:
-    from tasks.validate import read_rows
+@app.command()
+def deploy(work_pool: Annotated[str, typer.Option(help="Prefect work pool.")],
+           config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
+           no_schedule: Annotated[bool, typer.Option(help="Register without the cron.")] = False) -> None:
+    """Register the deployments on a Prefect work pool (workers on other machines)."""
+    from flows.serve import deploy_to_work_pool
+
+    ids = deploy_to_work_pool(_config(config, set_), work_pool, schedule=not no_schedule)
+    print(json.dumps({"work_pool": work_pool, "deployments": ids}, indent=2))
+    print(f"start a worker: prefect worker start --pool {work_pool}")
+
+
+@app.command()
+def ui(tracking_uri: Annotated[str, typer.Option(help="MLflow store.")] = "sqlite:///mlflow.db",
+       prefect_port: int = 4200, mlflow_port: int = 5000) -> None:
+    """Start the Prefect and MLflow UIs on loopback."""
+    from flows.serve import start_uis
+
+    start_uis(tracking_uri, prefect_port=prefect_port, mlflow_port=mlflow_port)
+
+
+@app.command(name="serve-model")
+def serve_model(model: Annotated[str, typer.Option(help="Local path, hub id or models:/name@alias.")],
+                host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
+                max_len: Annotated[int, typer.Option(help="Context length served.")] = 4096,
+                api_key: Annotated[str | None, typer.Option(help="Require this key (or ${VAR}).")] = None,
+                tracking_uri: Annotated[str, typer.Option(help="MLflow store for models:/ URIs.")] =
+                "sqlite:///mlflow.db") -> None:
+    """Serve a model with an OpenAI-compatible chat API (/v1/chat/completions, tool calls)."""
+    from tasks.tracking import resolve_tracking_uri
+    from trainer.model_server import serve_model as serve_chat
+
+    serve_chat(model, host=host, port=port, device=device, max_len=max_len, api_key=api_key,
+               tracking_uri=resolve_tracking_uri(tracking_uri))
+
+
+# --- configs, expectations, graders ---------------------------------------------------------
+
+
+@config_app.command("validate")
+def config_validate(config: Annotated[Path, typer.Argument(help="Pipeline config (YAML).")],
+                    set_: SetOption = None) -> None:
+    """Validate a pipeline config (keys, types, graders, tool schemas, ${VAR} headers)."""
+    loaded = _config(config, set_)
+    print(json.dumps({"config": str(config), "valid": True, "hash": loaded.section_hash()}))
+
+
+@expectations_app.command("derive")
+def expectations_derive(
+    traffic: Annotated[Path, typer.Option("--from", help="Production traffic log (JSONL).")],
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="The job: its grader's and tools' fields "
+                                                "become required.")] = None,
+    directory: Annotated[Path | None, typer.Option("--dir", help="GX data context (default: "
+                                                   "data.expectations_dir, else expectations).")] = None,
+    name: Annotated[str | None, typer.Option(help="Suite name (default: data.expectations_suite).")] = None,
+) -> None:
+    """Derive the expectation suite from production traffic, with its Checkpoint."""
+    from tasks.expectations import derive_and_save, required_fields
+
+    loaded = _config(config, None) if config else None
+    root = directory or Path(loaded.data.expectations_dir if loaded else "expectations")
+    suite = name or (loaded.data.expectations_suite if loaded else None) or "production_traffic"
+    path = derive_and_save(traffic, root, name=suite, required=required_fields(loaded) if loaded else [])
+    print(f"wrote {path} (and its checkpoint in {root})")
+
+
+@grader_app.command("validate")
+def grader_validate(grader: Annotated[Path, typer.Option(help="Grader JSON file.")]) -> None:
+    """Validate a grader JSON file."""
+    from trainer.graders import validate_grader_file
+
+    validate_grader_file(grader)
+    print(json.dumps({"grader": str(grader), "valid": True}))
+
+
+@grader_app.command("run")
+def grader_run(grader: Annotated[Path, typer.Option(help="Grader JSON file.")],
+               item: Annotated[Path, typer.Option(help="JSON file with one data row.")],
+               sample: Annotated[str | None, typer.Option(help="The model's output text.")] = None,
+               sample_file: Annotated[Path | None, typer.Option(help="A file holding the output text.")] = None) -> None:
+    """Score one sample against one item."""
+    from trainer.graders import run_grader_cli
+
+    if sample_file is not None:
+        try:
+            sample = sample_file.read_bytes().decode("utf-8")
+        except OSError as exc:
+            raise AgentRFTError(f"{sample_file}: cannot read the sample file ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise AgentRFTError(f"{sample_file}: not valid UTF-8 (byte {exc.start})") from None
+    if sample is None:
+        raise AgentRFTError("grader run: pass --sample TEXT or --sample-file FILE")
+    result = run_grader_cli(grader, item, sample)
+    print(json.dumps(result, indent=2))
+    if result.get("reward") is None:  # the grader could not score it
+        raise typer.Exit(1)
+
+
+@grader_app.command("probe")
+def grader_probe(grader: Annotated[Path, typer.Option(help="Grader JSON file.")],
+                 dataset: Annotated[Path, typer.Option(help="JSONL items.")],
+                 max_items: int = 20,
+                 corpus: Annotated[Path | None, typer.Option(help="FinQA corpus root, to probe with the gold "
+                                                                  "page's numbers.")] = None) -> None:
+    """Score reward-hacking probes; exit 1 if any scores above 0.1."""
+    from trainer.data import read_items
     from trainer.graders import validate_grader_file
     from trainer.graders.probe import run_probes
 
-    grader = validate_grader_file(Path(args.grader))
-    items = [row for _, row in read_rows(Path(args.dataset))][: args.max_items]
-    report = run_probes(grader, items, corpus_dir=Path(args.corpus) if args.corpus else None)
+    report = run_probes(validate_grader_file(grader), read_items(dataset, max_items), corpus_dir=corpus)
     print(json.dumps(report.to_json(), indent=2))
     if report.flagged:
         print(f"{len(report.flagged)} of {report.tried} probes scored above 0.1: the grader can be gamed",
               file=sys.stderr)
-    return 0 if report.passed else 1
+    if not report.passed:
+        raise typer.Exit(1)
 
 
-def _pipeline_config(args: argparse.Namespace):
-    from trainer.config import load_config, missing_env_vars
-
-    if getattr(args, "openai_job", None):
-        import yaml
-
-        from flows.openai_job import load_openai_job
-
-        base = yaml.safe_load(Path(args.config).read_text()) if args.config else None
-        config, notes = load_openai_job(Path(args.openai_job), base=base, model=args.model)
-        for note in notes:
-            print(f"note: {note}", file=sys.stderr)
-    else:
-        config = load_config(args.config or "configs/demo.yaml")
-    missing = missing_env_vars(config)
-    if missing:
-        raise AgentRFTError("environment variables referenced by tool headers are not set: " + ", ".join(missing))
-    return config
+# --- the demo environment -------------------------------------------------------------------
 
 
-def _run_pipeline(config, refresh: list[str]) -> dict:
-    """Run the pipeline flow; a failed run's reason becomes the command's error."""
-    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
-
-    state = agent_rft_pipeline(**pipeline_parameters(config, refresh), return_state=True)
-    if not state.is_completed():
-        try:
-            state.result()
-        except AgentRFTError:
-            raise
-        except Exception as exc:
-            raise AgentRFTError(f"the pipeline failed: {exc}") from None
-    return state.result()
-
-
-def _print_outcome(outcome: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    before_after = outcome.get("before_after")
-    if before_after:
-        table = Table(title="before / after (same held-out items and seeds)")
-        for column in ("metric", "baseline", "candidate", "change"):
-            table.add_column(column, justify="left" if column == "metric" else "right")
-        for name, values in before_after.items():
-            b, a = values["baseline"], values["candidate"]
-            change = f"{(a - b) / b:+.1%}" if b else "n/a"
-            table.add_row(name, f"{b:.4g}", f"{a:.4g}", change)
-        console.print(table)
-        gain = outcome["score_gain"]
-        console.print(f"score gain {gain['gain']:+.4f}, 95% CI [{gain['low']:+.4f}, {gain['high']:+.4f}]")
-    console.print(f"outcome: {outcome['outcome']}: {outcome.get('decision', '')}")
-    cached = [name for name, stage in outcome.get("stages", {}).items() if stage["cached"]]
-    if cached:
-        console.print(f"served from cache: {', '.join(cached)}")
-    console.print(f"MLflow parent run: {outcome['parent_run_id']}")
-
-
-def _run(args: argparse.Namespace) -> int:
-    config = _pipeline_config(args)
-    outcome = _run_pipeline(config, args.refresh or [])
-    _print_outcome(outcome)
-    return 0
-
-
-def _demo(args: argparse.Namespace) -> int:
-    import time
-
-    from envs.finqa.dvc_pin import dir_md5, pinned_md5
+@data_app.command("generate")
+def data_generate(out: Path = Path("data"), seed: int = 0,
+                  drift: Annotated[bool, typer.Option(help="A deliberately drifted dataset.")] = False) -> None:
+    """Generate the FinQA-style demo data (then `dvc add` pins it)."""
     from envs.finqa.generate import generate_dataset
+
+    print(json.dumps(generate_dataset(out, seed=seed, drift=drift), indent=2))
+
+
+@data_app.command("verify")
+def data_verify(config: ConfigOption = Path(DEMO_CONFIG), seed: int = 0) -> None:
+    """Regenerate the demo data where it differs and let DVC check it against data.dvc."""
+    from envs.finqa.demo import ensure_data
+
+    md5 = ensure_data(_config(config, None), seed=seed)
+    print(f"data matches its DVC pin (md5 {md5})")
+
+
+@data_app.command("import-finqa")
+def data_import_finqa(json_file: Annotated[Path, typer.Argument(help="FinQA JSON (train.json, dev.json, ...).")],
+                      out: Path = Path("data-finqa"), split: str = "train") -> None:
+    """Build a corpus and items from the real FinQA JSON format."""
+    from envs.finqa.finqa_format import load_finqa_json
+
+    count = load_finqa_json(json_file, out, split_name=split)
+    print(f"wrote {count} items to {out / (split + '.jsonl')}")
+
+
+@env_app.command("serve")
+def env_serve(name: Annotated[str, typer.Argument(help="The environment: finqa.")] = "finqa",
+              corpus: Path = Path("data/corpus"), host: str = "127.0.0.1", port: int = 8765,
+              api_key: Annotated[str | None, typer.Option(help="Require this key (or ${VAR}).")] = None,
+              error_rate: Annotated[float, typer.Option(help="Share of 5xx answers.")] = 0.0,
+              timeout_rate: Annotated[float, typer.Option(help="Share of answers that hang.")] = 0.0,
+              drop_rate: Annotated[float, typer.Option(help="Share of dropped connections.")] = 0.0,
+              latency_ms: Annotated[float, typer.Option(help="Added latency per call.")] = 0.0) -> None:
+    """Serve an environment's tools (and its endpoint grader) over HTTP."""
+    from envs.finqa.faults import FaultConfig
+    from envs.finqa.server import serve as serve_tools
+    from trainer.api_key import resolve_api_key
+
+    if name != "finqa":
+        raise AgentRFTError(f"unknown environment {name!r}; the project ships `finqa`")
+    faults = FaultConfig(error_rate=error_rate, timeout_rate=timeout_rate, drop_rate=drop_rate, latency_ms=latency_ms)
+    serve_tools(corpus, host=host, port=port, faults=faults, api_key=resolve_api_key(api_key))
+
+
+@model_app.command("bootstrap")
+def model_bootstrap(
+    out: Annotated[Path, typer.Option(help="Where to write the model.")] = Path("envs/finqa/model"),
+    tokens: Annotated[int, typer.Option(help="Warm-start tokens (20M: ~50 min on 2 cores).")] = 20_000_000,
+    data_dir: Path = Path("data"), seed: int = 0,
+    pin: Annotated[bool, typer.Option(help="Re-pin the model (envs/finqa/model.pin.json).")] = True,
+) -> None:
+    """Rebuild the demo base model from its seed: tokenizer, demonstrations, warm start."""
+    from envs.finqa.demo_model import (
+        PIN_FILE,
+        BootstrapSettings,
+        bootstrap_demo_model,
+        write_model_pin,
+    )
     from trainer.config import load_config
 
-    started = time.perf_counter()
-    config = load_config(args.config)
-    data_dir, pinned = Path(config.data.data_dir), pinned_md5(Path(config.data.dvc_file))
-    if not data_dir.is_dir() or dir_md5(data_dir) != pinned:
-        print(f"regenerating {data_dir} (pinned md5 {pinned})")
-        generate_dataset(data_dir, seed=config.data.generator_seed)
-        if dir_md5(data_dir) != pinned:
-            raise AgentRFTError(f"{data_dir}: regenerated data does not match {config.data.dvc_file}; "
-                                "run `agentrft data verify` for the first differing file")
-    outcome = _run_pipeline(config, args.refresh or [])
-    _print_outcome(outcome)
-    print(f"demo wall time: {time.perf_counter() - started:.0f} s")
-    print("open the UIs: `agentrft ui` (Prefect http://127.0.0.1:4200, MLflow http://127.0.0.1:5000); "
-          "promote or roll back: `agentrft promote --name "
-          f"{config.promotion.registered_model} --action rollback`")
-    return 0
+    config = load_config(DEMO_CONFIG)
+    settings = BootstrapSettings(seed=seed, train_tokens=tokens, max_minutes=24 * 60)
+    path = bootstrap_demo_model(data_dir, out, settings=settings, system_prompt=config.rollout.system_prompt)
+    if pin and out.resolve() == PIN_FILE.parent.resolve() / "model":
+        write_model_pin(out, PIN_FILE)
+    print(path)
 
 
-def _promote(args: argparse.Namespace) -> int:
-    from flows.pipeline import promote_model
-
-    state = promote_model(name=args.name, version_or_alias=args.version or "", action=args.action,
-                          tracking_uri=args.tracking_uri, return_state=True)
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (`agentrft`): user errors as one line and status 2."""
     try:
-        print(json.dumps(state.result(), indent=2))
-    except AgentRFTError:
-        raise
-    except Exception as exc:
-        raise AgentRFTError(f"promote-model failed: {exc}") from None
-    return 0
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from flows.serve import serve_deployments
-    from trainer.config import load_config
-
-    serve_deployments(load_config(args.config))
-    return 0
-
-
-def _deploy(args: argparse.Namespace) -> int:
-    from flows.serve import deploy_to_work_pool
-    from trainer.config import load_config
-
-    ids = deploy_to_work_pool(load_config(args.config), args.work_pool, schedule=not args.no_schedule)
-    print(json.dumps({"work_pool": args.work_pool, "deployments": ids}, indent=2))
-    print(f"start a worker: prefect worker start --pool {args.work_pool}")
-    return 0
-
-
-def _ui(args: argparse.Namespace) -> int:
-    from flows.serve import start_uis
-
-    start_uis(args.tracking_uri, prefect_port=args.prefect_port, mlflow_port=args.mlflow_port)
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agentrft", description="Self-hosted Agent RFT.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def command(parent, name: str, func: Callable[[argparse.Namespace], int], help_: str):
-        p = parent.add_parser(name, help=help_, description=help_)
-        p.set_defaults(func=func)
-        return p
-
-    data = sub.add_parser("data", help="Generate, verify or import datasets.").add_subparsers(
-        dest="data_command", required=True
-    )
-    p = command(data, "generate", _data_generate, "Generate the FinQA-style demo data.")
-    p.add_argument("--out", default="data")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--drift", action="store_true", help="Produce a deliberately drifted dataset.")
-    p = command(data, "verify", _data_verify, "Regenerate the demo data and compare with data.dvc.")
-    p.add_argument("--data-dir", default="data")
-    p.add_argument("--dvc-file", default="data.dvc")
-    p.add_argument("--seed", type=int, default=0)
-    p = command(data, "import-finqa", _data_import_finqa, "Build corpus and items from FinQA JSON.")
-    p.add_argument("json_file")
-    p.add_argument("--out", default="data-finqa")
-    p.add_argument("--split", default="train")
-
-    env = sub.add_parser("env", help="Example environments.").add_subparsers(dest="env_command", required=True)
-    serve_p = env.add_parser("serve", help="Serve an environment's tools.").add_subparsers(
-        dest="env_name", required=True
-    )
-    p = command(serve_p, "finqa", _env_serve, "Serve the FinQA-style tools and grader.")
-    p.add_argument("--corpus", default="data/corpus")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--error-rate", type=float, default=0.0, help="Share of 5xx answers.")
-    p.add_argument("--timeout-rate", type=float, default=0.0, help="Share of answers that hang.")
-    p.add_argument("--drop-rate", type=float, default=0.0, help="Share of dropped connections.")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="Added latency per call.")
-
-    grader = sub.add_parser("grader", help="Validate and run graders.").add_subparsers(
-        dest="grader_command", required=True
-    )
-    p = command(grader, "validate", _grader_validate, "Validate a grader JSON file.")
-    p.add_argument("--grader", required=True)
-    p = command(grader, "run", _grader_run, "Score one sample against one item.")
-    p.add_argument("--grader", required=True)
-    p.add_argument("--item", required=True, help="JSON file with one data row.")
-    p.add_argument("--sample", help="The model's output text.")
-    p.add_argument("--sample-file", help="A file holding the model's output text.")
-    p = command(grader, "probe", _grader_probe, "Score reward-hacking probes; exit 1 if any scores above 0.1.")
-    p.add_argument("--grader", required=True)
-    p.add_argument("--dataset", required=True, help="JSONL items (reference answers, gold pages).")
-    p.add_argument("--max-items", type=int, default=20)
-    p.add_argument("--corpus", default=None, help="Corpus root, to probe with the gold page's numbers.")
-
-    config = sub.add_parser("config", help="Pipeline configs.").add_subparsers(
-        dest="config_command", required=True
-    )
-    p = command(config, "validate", _config_validate, "Validate a pipeline config.")
-    p.add_argument("config")
-
-    model = sub.add_parser("model", help="Base models.").add_subparsers(dest="model_command", required=True)
-    p = command(model, "bootstrap", _model_bootstrap, "Build (or reuse) the demo base model.")
-    p.add_argument("--config", default="configs/demo.yaml")
-
-    p = command(sub, "eval", _eval, "Evaluate a model: k rollouts per held-out item.")
-    p.add_argument("--config", default="configs/demo.yaml")
-    p.add_argument("--model", help="Path, hub id or models:/ URI (default: the config's base model).")
-    p.add_argument("--k", type=int, help="Samples per item (default: baseline.k).")
-    p.add_argument("--max-items", type=int)
-    p.add_argument("--out", default="runs/eval")
-
-    p = command(sub, "serve-model", _serve_model, "Serve a model with an OpenAI-compatible chat API.")
-    p.add_argument("--model", required=True, help="Local path, hub id or models:/name@alias.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-len", type=int, default=4096, help="Context length served.")
-
-    exp = sub.add_parser("expectations", help="Great Expectations suites.").add_subparsers(
-        dest="expectations_command", required=True
-    )
-    p = command(exp, "derive", _expectations_derive, "Derive a suite from production traffic.")
-    p.add_argument("--from", dest="traffic", default="data/production_traffic.jsonl")
-    p.add_argument("--out", default="expectations/production_traffic.json")
-
-    sub.add_parser("train", help="RFT training (GRPO); see `agentrft train --help`.", add_help=False)
-
-    p = command(sub, "run", _run, "Run the pipeline (validate, baseline, prompts, RFT, eval, promotion).")
-    p.add_argument("--config", default=None, help="Pipeline config (default configs/demo.yaml); with "
-                   "--openai-job, the base the job is laid over.")
-    p.add_argument("--openai-job", default=None, help="An OpenAI fine-tuning job body (method reinforcement).")
-    p.add_argument("--model", default=None, help="With --openai-job: the base model path or hub id.")
-    p.add_argument("--refresh", nargs="*", metavar="STAGE", help="Re-run these stages even if cached.")
-
-    p = command(sub, "demo", _demo, "Run the whole pipeline on the embedded default.")
-    p.add_argument("--config", default="configs/demo.yaml")
-    p.add_argument("--refresh", nargs="*", metavar="STAGE", help="Re-run these stages even if cached.")
-
-    p = command(sub, "promote", _promote, "Promote a registered version to champion, or roll back.")
-    p.add_argument("--name", required=True, help="Registered model name.")
-    p.add_argument("--version", default="", help="Version or alias (promote: default challenger).")
-    p.add_argument("--action", choices=["promote", "rollback"], default="promote")
-    p.add_argument("--tracking-uri", default="sqlite:///mlflow.db")
-
-    p = command(sub, "serve", _serve, "Serve the pipeline (cron) and promotion deployments.")
-    p.add_argument("--config", default="configs/demo.yaml")
-    p = command(sub, "deploy", _deploy, "Register the deployments on a Prefect work pool.")
-    p.add_argument("--config", default="configs/demo.yaml")
-    p.add_argument("--work-pool", required=True)
-    p.add_argument("--no-schedule", action="store_true", help="Register without the cron schedule.")
-    p = command(sub, "ui", _ui, "Start the Prefect and MLflow UIs on loopback.")
-    p.add_argument("--tracking-uri", default="sqlite:///mlflow.db")
-    p.add_argument("--prefect-port", type=int, default=4200)
-    p.add_argument("--mlflow-port", type=int, default=5000)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:  # the trainer owns its arguments (it also runs under accelerate launch)
-        from trainer.train_cli import main as train_main
-
-        return train_main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
+        app(args=argv, standalone_mode=False)
     except AgentRFTError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except typer.Exit as exc:
+        return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # click's usage errors
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            return exc.exit_code
+        raise
+    return 0
 
 
 if __name__ == "__main__":

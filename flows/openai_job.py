@@ -7,7 +7,8 @@ config, so a job written for OpenAI runs here unchanged:
 | job field | pipeline config |
 | --- | --- |
 | `model` | `model.base_model` (here: a local path or hub id; `--model` overrides) |
-| `training_file`, `validation_file` | `data.train_file`, `data.eval_file` (local JSONL paths) |
+| `training_file`, `validation_file` | `data.train_file`, `data.validation_file` (local JSONL paths) |
+| (ours) `test_file` | `data.test_file`; without it a seeded half of the validation file is the test split |
 | `method.reinforcement.grader` | `grader` |
 | `method.reinforcement.hyperparameters` | `training` (`n_epochs`, `batch_size`, `learning_rate_multiplier`, `compute_multiplier`, `eval_interval`, `eval_samples`) |
 | `method.reinforcement.tools` | `tools.endpoints` (`name`, `server_url`, `headers`) |
@@ -17,9 +18,9 @@ config, so a job written for OpenAI runs here unchanged:
 
 Files given as OpenAI file ids (`file-...`) cannot be fetched here: the error says to pass
 local paths. Hyperparameters OpenAI has and this trainer does not (`reasoning_effort`)
-are reported and ignored. A job's data is usually not under DVC and not FinQA-shaped, so
-the data version is the md5 of the two files and the FinQA expectations suite is not
-applied unless the base config (`--config`) names one; leakage and reference checks run.
+are reported and ignored. A job's data is usually not under DVC, so the data version is
+the md5 of its files, and no expectation suite is applied unless the base config
+(`--config`) names one; leakage, gradability and shape checks run.
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ def config_from_openai_job(job: Any, *, source: str, base: dict[str, Any] | None
     rft = method["reinforcement"]
     notes: list[str] = []
     files = {}
-    for key in ("training_file", "validation_file"):
+    for key in ("training_file", "validation_file", "test_file"):
         value = job.get(key)
         if not value:
+            if key == "test_file":
+                continue
             raise ConfigError(f"{source}: {key} is required (a local JSONL path)")
         if str(value).startswith("file-") or not Path(value).is_file():
             raise ConfigError(f"{source}: {key} {value!r} is not a local file; download it and give its path")
@@ -76,13 +79,12 @@ def config_from_openai_job(job: Any, *, source: str, base: dict[str, Any] | None
     tools = rft.get("tools") or []
     raw: dict[str, Any] = {
         "model": {"base_model": model or job.get("model") or ""},
-        "data": {"train_file": files["training_file"], "eval_file": files["validation_file"],
-                 "data_dir": str(Path(files["training_file"]).parent), "dvc_file": None,
+        "data": {"train_file": files["training_file"], "validation_file": files["validation_file"],
+                 "test_file": files.get("test_file"), "dvc_file": None, "production_traffic_file": None,
                  "expectations_suite": None},
         "grader": rft["grader"],
         "training": {**hyper, **({"seed": job["seed"]} if "seed" in job else {})},
-        "tools": {"endpoints": [_endpoint(t, f"{source}: method.reinforcement.tools[{i}]") for i, t in enumerate(tools)],
-                  "demo_server": False},
+        "tools": {"endpoints": [_endpoint(t, f"{source}: method.reinforcement.tools[{i}]") for i, t in enumerate(tools)]},
     }
     if "max_episode_steps" in rft:
         raw["rollout"] = {"max_episode_steps": rft["max_episode_steps"]}

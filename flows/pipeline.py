@@ -3,16 +3,22 @@
 `agent_rft_pipeline` chains the six stages in the order practitioners recommend:
 production-matched data first (`validate_data`), a `baseline` of the base model, prompt
 and task variants before any training (`prompt_optimization`), GRPO only when those are
-exhausted (`rft_training`), a paired `regression_eval` against the baseline and the
-champion, and `promotion` through the MLflow registry. Its parameters are the config's
-sections (pydantic models, so the Prefect UI renders them as a form) plus `refresh`, the
-stages to re-run even when their cached result is current.
+exhausted (`rft_training`), a paired `regression_eval` on the untouched test split against
+the baseline and the champion, and `promotion` through the MLflow registry. Its parameter
+is the whole config (a pydantic model, so the Prefect UI renders it as a form) plus
+`refresh`, the stages to re-run even when their cached result is current (a stage
+refreshed re-runs the ones after it too).
 
-Each stage is a cached Prefect task keyed by `tasks.versioning.stage_key`; results are
-small dicts (MLflow run ids, model URIs, metrics). The flow opens one MLflow parent run per
-pipeline run; each stage that runs adds a nested run; a stage served from cache is named
-in the parent's tags (`stage.<name>.run_id`, `stage.<name>.cached`). A gate that fails
-stops the flow with its reason; so does a failed stage, with the parent run marked FAILED.
+Each stage is a Prefect task given only the config sections it reads, cached by those
+inputs, the data version and its own code (tasks/cache.py), and returns a small typed
+result. The flow opens one MLflow parent run per pipeline run; each stage that runs adds a
+nested run; a stage served from cache (its Prefect state is `Cached`) is named in the
+parent's tags (`stage.<name>.run_id`, `stage.<name>.cached`). A gate that fails stops the
+flow with its reason; so does a failed stage, with the parent run marked FAILED.
+
+Training and promotion of one registered model run one pipeline at a time
+(`tasks.locks.model_lock`): a second run waits or stops, as `promotion.concurrent_runs`
+says.
 
 `promote_model` is the hand-driven registry flow: promote a version (or alias) to
 `champion`, or roll `champion` back.
@@ -20,13 +26,14 @@ stops the flow with its reason; so does a failed stage, with the parent run mark
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 
 from tasks.baseline import baseline
+from tasks.data_version import data_version
 from tasks.evaluate import regression_eval
+from tasks.locks import model_lock
 from tasks.optimize import prompt_optimization
 from tasks.promote import (
     alias_version,
@@ -37,31 +44,18 @@ from tasks.promote import (
 )
 from tasks.tracking import (
     close_pipeline_run,
+    git_commit,
     mlflow_client,
     open_pipeline_run,
     resolve_tracking_uri,
 )
 from tasks.train import rft_training
 from tasks.validate import validate_data
-from tasks.versioning import STAGES, data_version, git_commit, stage_key
-from trainer.config import (
-    BaselineConfig,
-    DataConfig,
-    MlflowConfig,
-    ModelConfig,
-    PenaltyConfig,
-    PipelineConfig,
-    PromotionConfig,
-    PromptOptimizationConfig,
-    RolloutConfig,
-    ScheduleConfig,
-    ToolsConfig,
-    TrainingConfig,
-)
+from trainer.config import PipelineConfig
 from trainer.errors import AgentRFTError, ConfigError
 
 Stage = Literal["validate_data", "baseline", "prompt_optimization", "rft_training", "regression_eval", "promotion"]
-_DEFAULTS = PipelineConfig()
+STAGES: tuple[str, ...] = Stage.__args__
 
 
 class PipelineStopped(AgentRFTError):
@@ -70,12 +64,11 @@ class PipelineStopped(AgentRFTError):
 
 def _champion_to_beat(tracking_uri: str, name: str, candidate_uri: str | None) -> dict[str, Any] | None:
     """The current champion, unless it *is* this candidate (promoted by an earlier run of
-    the same stages): then the champion it was compared with, so the cache key is stable."""
+    the same stages): then the champion it was compared with, so the inputs stay the same."""
     champion = current_champion(tracking_uri, name)
     if champion is None or candidate_uri is None:
         return champion
-    client = mlflow_client(tracking_uri)
-    version = client.get_model_version(name, champion["version"])
+    version = mlflow_client(tracking_uri).get_model_version(name, champion["version"])
     if version.source != candidate_uri:
         return champion
     previous = version.tags.get("previous_champion")
@@ -84,61 +77,58 @@ def _champion_to_beat(tracking_uri: str, name: str, candidate_uri: str | None) -
 
 def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict[str, Any]:
     """Run the six stages for `config` inside a flow; returns the outcome summary."""
-    from trainer.bootstrap import resolve_base_model
-
     refresh = list(refresh or [])
     unknown = sorted(set(refresh) - set(STAGES))
     if unknown:
         raise ConfigError(f"refresh: unknown stages {unknown}; the stages are {list(STAGES)}")
+    first_refreshed = min((STAGES.index(stage) for stage in refresh), default=len(STAGES))
     logger = get_run_logger()
-    data_md5 = data_version(config)
-    ctx = open_pipeline_run(config, data_md5=data_md5, git_commit=git_commit())
+    ctx = open_pipeline_run(config, data_md5=data_version(config.data), git_commit=git_commit())
     client = ctx.client()
     outcome: dict[str, Any] = {"parent_run_id": ctx.parent_run_id, "experiment_id": ctx.experiment_id, "stages": {}}
     current = STAGES[0]
+    c = config
 
-    def run(stage: str, task: Any, upstream: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    def run(stage: str, task: Any, *args: Any, **kwargs: Any) -> Any:
         nonlocal current
         current = stage
-        key = stage_key(stage, config, data_md5=data_md5, tracking_uri=ctx.tracking_uri, upstream=upstream)
-        result = task.with_options(refresh_cache=stage in refresh)(config, ctx, key, **kwargs)
-        parent = client.get_run(result["run_id"]).data.tags.get("mlflow.parentRunId")
-        cached = parent != ctx.parent_run_id
-        client.set_tag(ctx.parent_run_id, f"stage.{stage}.run_id", result["run_id"])
+        state = task.with_options(refresh_cache=STAGES.index(stage) >= first_refreshed)(
+            *args, ctx=ctx, **kwargs, return_state=True)
+        result = state.result()
+        cached = state.name == "Cached"
+        client.set_tag(ctx.parent_run_id, f"stage.{stage}.run_id", result.run_id)
         client.set_tag(ctx.parent_run_id, f"stage.{stage}.cached", str(cached).lower())
-        outcome["stages"][stage] = {"run_id": result["run_id"], "cache_key": key, "cached": cached}
-        logger.info("%s: %s (MLflow run %s)", stage, "served from cache" if cached else "done", result["run_id"])
+        outcome["stages"][stage] = {"run_id": result.run_id, "cached": cached}
+        logger.info("%s: %s (MLflow run %s)", stage, "served from cache" if cached else "done", result.run_id)
         return result
 
+    evaluation_sections = {"model": c.model, "data": c.data, "tools": c.tools, "grader": c.grader,
+                           "rollout": c.rollout, "penalties": c.penalties}
     try:
-        validated = run("validate_data", validate_data, {})
-        current = "baseline"
-        model_path = resolve_base_model(config, log=logger.info)
-        base = run("baseline", baseline, {"validate": validated["run_id"], "model": model_path}, model_path=model_path)
-        if not base["passed"]:
-            raise PipelineStopped(f"baseline gate failed: {base['reason']}")
-        variants = run("prompt_optimization", prompt_optimization, {"baseline": base["run_id"], "model": model_path},
-                       model_path=model_path)
-        outcome["prompt_optimization"] = {"best": variants["best_name"], "verdict": variants["verdict"]}
-        if not variants["rft_needed"]:
-            outcome.update(outcome="rft_not_needed", decision=variants["verdict"])
+        validated = run("validate_data", validate_data, c.data, c.grader)
+        outcome["test_split"] = validated.test_split
+        base = run("baseline", baseline, c.model.base_model, **evaluation_sections, gates=c.baseline,
+                   traces=c.mlflow.traces_per_evaluation, work_dir=c.work_dir)
+        if not base.passed:
+            raise PipelineStopped(f"baseline gate failed: {base.reason}")
+        variants = run("prompt_optimization", prompt_optimization, c.model.base_model, **evaluation_sections,
+                       options=c.prompt_optimization, seed=c.baseline.seed)
+        outcome["prompt_optimization"] = {"best": variants.best_name, "verdict": variants.verdict}
+        if not variants.rft_needed:
+            outcome.update(outcome="rft_not_needed", decision=variants.verdict)
             close_pipeline_run(ctx, status="FINISHED", outcome=outcome)
             return outcome
-        trained = run("rft_training", rft_training, {"prompt_optimization": variants["run_id"], "model": model_path},
-                      model_path=model_path, variant=variants["best_variant"])
-        candidate = dict(trained["candidate"])
-        if not Path(candidate["path"]).exists():  # the work dir was cleaned: fetch it from MLflow
-            candidate["path"] = candidate["model_uri"]
-        name = config.promotion.registered_model
-        champion = _champion_to_beat(ctx.tracking_uri, name, trained["candidate"]["model_uri"])
-        evaluation = run(
-            "regression_eval", regression_eval,
-            {"rft_training": trained["run_id"], "prompt_optimization": variants["run_id"],
-             "champion": champion and champion["version"]},
-            base_model=model_path, candidate=candidate, variant=variants["best_variant"], champion=champion,
-        )
-        promoted = run("promotion", promotion, {"regression_eval": evaluation["run_id"]},
-                       candidate=trained["candidate"], evaluation=evaluation)
+        name = c.registered_model
+        with model_lock(name, mode=c.promotion.concurrent_runs, timeout_s=c.promotion.lock_timeout_s,
+                        log=logger.info):
+            trained = run("rft_training", rft_training, c.model.base_model, **evaluation_sections,
+                          training=c.training, mlflow=c.mlflow, variant=variants.best_variant, work_dir=c.work_dir)
+            champion = _champion_to_beat(ctx.tracking_uri, name, trained.candidate.model_uri)
+            evaluation = run("regression_eval", regression_eval, c.model.base_model, trained.candidate, champion,
+                             **evaluation_sections, promotion=c.promotion, variant=variants.best_variant,
+                             seed=c.baseline.seed, traces=c.mlflow.traces_per_evaluation, work_dir=c.work_dir)
+            promoted = run("promotion", promotion, trained.candidate, evaluation, registered_model=name,
+                           promotion_config=c.promotion)
     except BaseException as exc:
         reason = str(exc) if isinstance(exc, AgentRFTError) else f"{type(exc).__name__}: {exc}"
         outcome.update(outcome="stopped" if isinstance(exc, PipelineStopped) else "failed",
@@ -146,50 +136,29 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict
         close_pipeline_run(ctx, status="FAILED", outcome=outcome)
         raise
     outcome.update(
-        outcome="promoted" if promoted["champion"] else "not_promoted",
-        decision=promoted["decision"],
-        registered_model=promoted["registered_model"],
-        version=promoted["version"],
-        before_after=evaluation["before_after"],
-        score_gain=evaluation["score_gain"],
-        gates={k: v["passed"] for k, v in evaluation["gates"].items()},
+        outcome="promoted" if promoted.champion else "not_promoted",
+        decision=promoted.decision,
+        registered_model=promoted.registered_model,
+        version=promoted.version,
+        before_after=evaluation.before_after,
+        score_gain=evaluation.score_gain,
+        gates={name: gate.passed for name, gate in evaluation.gates.items()},
+        figures={"regression": f"runs:/{evaluation.run_id}/tool_calls_before_after.png",
+                 "training": f"runs:/{trained.run_id}/figures/reward_curve.png"},
     )
     close_pipeline_run(ctx, status="FINISHED", outcome=outcome)
     return outcome
 
 
 @flow(name="agent-rft-pipeline", persist_result=True, log_prints=True)
-def agent_rft_pipeline(
-    name: str = _DEFAULTS.name,
-    model: ModelConfig = _DEFAULTS.model,
-    data: DataConfig = _DEFAULTS.data,
-    tools: ToolsConfig = _DEFAULTS.tools,
-    grader: dict[str, Any] = _DEFAULTS.grader,
-    rollout: RolloutConfig = _DEFAULTS.rollout,
-    penalties: PenaltyConfig = _DEFAULTS.penalties,
-    baseline: BaselineConfig = _DEFAULTS.baseline,
-    prompt_optimization: PromptOptimizationConfig = _DEFAULTS.prompt_optimization,
-    training: TrainingConfig = _DEFAULTS.training,
-    promotion: PromotionConfig = _DEFAULTS.promotion,
-    mlflow: MlflowConfig = _DEFAULTS.mlflow,
-    schedule: ScheduleConfig = _DEFAULTS.schedule,
-    work_dir: str = _DEFAULTS.work_dir,
-    refresh: list[Stage] | None = None,
-) -> dict[str, Any]:
+def agent_rft_pipeline(config: PipelineConfig, refresh: list[Stage] | None = None) -> dict[str, Any]:
     """Validate data, baseline, prompt variants, GRPO, regression eval, promotion."""
-    config = PipelineConfig(
-        name=name, model=model, data=data, tools=tools, grader=grader, rollout=rollout, penalties=penalties,
-        baseline=baseline, prompt_optimization=prompt_optimization, training=training, promotion=promotion,
-        mlflow=mlflow, schedule=schedule, work_dir=work_dir,
-    )
     return run_stages(config, refresh)
 
 
 def pipeline_parameters(config: PipelineConfig, refresh: list[str] | None = None) -> dict[str, Any]:
     """The flow's parameters for `config` (as a deployment or `run_deployment` takes them)."""
-    params = config.model_dump(mode="json")
-    params["refresh"] = list(refresh or [])
-    return params
+    return {"config": config.model_dump(mode="json"), "refresh": list(refresh or [])}
 
 
 @flow(name="promote-model", persist_result=True, log_prints=True)
@@ -197,11 +166,12 @@ def promote_model(
     name: str,
     version_or_alias: str = "challenger",
     action: Literal["promote", "rollback"] = "promote",
-    tracking_uri: str = _DEFAULTS.mlflow.tracking_uri,
+    tracking_uri: str = "sqlite:///mlflow.db",
 ) -> dict[str, Any]:
     """Promote a registered version (or alias) to `champion`, or roll `champion` back
     (to `version_or_alias` when it names a version, else to the previous champion)."""
-    client = mlflow_client(resolve_tracking_uri(tracking_uri))
+    tracking_uri = resolve_tracking_uri(tracking_uri)
+    client = mlflow_client(tracking_uri)
     logger = get_run_logger()
     target = version_or_alias or ("challenger" if action == "promote" else "")
     if target and not target.isdigit():
@@ -210,11 +180,10 @@ def promote_model(
             raise ConfigError(f"registered model {name!r} has no version or alias {target!r}")
         target = resolved
     if action == "promote":
-        previous = set_champion(client, name, target, reason="promoted by hand (promote-model flow)")
+        previous = set_champion(tracking_uri, name, target, reason="promoted by hand (promote-model flow)")
         result = {"action": action, "champion": target, "previous_champion": previous}
     else:
-        before, after = rollback_champion(client, name, target if version_or_alias.isdigit() else None)
+        before, after = rollback_champion(tracking_uri, name, target if version_or_alias.isdigit() else None)
         result = {"action": action, "champion": after, "rolled_back_from": before}
     logger.info("%s: %s", name, result)
     return result
-

@@ -3,7 +3,7 @@
 - `serve_deployments(config)`: the pipeline as a deployment with the config's cron
   (default nightly) and its parameters as defaults, plus the hand-driven promote/rollback
   flow, served from this process (`agentrft serve`). Both carry typed parameters, so the
-  Prefect UI's "Run > Custom run" shows the config sections as a form.
+  Prefect UI's "Run > Custom run" shows the config as a form.
 - `deploy_to_work_pool(config, pool)`: the same deployments registered on a Prefect work
   pool (`agentrft deploy --work-pool NAME`), for workers on other machines; the flow code is
   loaded from this checkout's directory (`flow.from_source`), so process workers that share
@@ -37,7 +37,7 @@ def _schedules(config: PipelineConfig) -> list[Any]:
 
 def _parameters(config: PipelineConfig) -> dict[str, Any]:
     params = pipeline_parameters(config)
-    params["mlflow"]["tracking_uri"] = resolve_tracking_uri(config.mlflow.tracking_uri)
+    params["config"]["mlflow"]["tracking_uri"] = resolve_tracking_uri(config.mlflow.tracking_uri)
     return params
 
 
@@ -52,7 +52,7 @@ def build_deployments(config: PipelineConfig, *, schedule: bool = True) -> list[
     )
     promote = promote_model.to_deployment(
         name=PROMOTE_DEPLOYMENT,
-        parameters={"name": config.promotion.registered_model,
+        parameters={"name": config.registered_model,
                     "tracking_uri": resolve_tracking_uri(config.mlflow.tracking_uri)},
         description="Promote a registered model version to champion, or roll champion back.",
         tags=["agent-rft"],
@@ -76,7 +76,7 @@ def deploy_to_work_pool(config: PipelineConfig, pool: str, *, schedule: bool = T
         ("flows/pipeline.py:agent_rft_pipeline", PIPELINE_DEPLOYMENT, _parameters(config),
          _schedules(config) if schedule else None),
         ("flows/pipeline.py:promote_model", PROMOTE_DEPLOYMENT,
-         {"name": config.promotion.registered_model, "tracking_uri": resolve_tracking_uri(config.mlflow.tracking_uri)},
+         {"name": config.registered_model, "tracking_uri": resolve_tracking_uri(config.mlflow.tracking_uri)},
          None),
     ):
         remote = flow.from_source(source=str(ROOT), entrypoint=entrypoint)

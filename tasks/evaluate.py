@@ -1,14 +1,19 @@
-"""Stage 5, regression_eval: the candidate against the baseline and the champion.
+"""Stage 5, regression_eval: the candidate against the baseline and the champion, on test.
 
-All models run on the same held-out items with the same seeds and k samples, under the
+This stage, and the promotion decision it feeds, are the only readers of the test split:
+every choice before it (the prompt variant, the checkpoint) was made on validation items.
+All models run on the same test items with the same seeds and k samples, under the
 winning prompt variant, so the comparison is paired item by item. The score gain gets a
 paired bootstrap 95% interval (items resampled with replacement); tool calls, tokens and
-latency get relative changes (p50 and p95 for latency); each category gets its gain. Gates
-from `promotion`: the interval's lower bound above `min_gain_lower_bound` against the
-baseline and against the champion when there is one, no more tool calls, tokens or latency
-than the allowed increases, no category falling beyond its tolerance, and the grader's
+latency get relative changes (p50 and p95 for latency); with `promotion.group_by`, each
+group of items gets its gain. Gates from `promotion`: the interval's lower bound above
+`min_gain_lower_bound` against the baseline and against the champion when there is one,
+no more tool calls, tokens or latency than the allowed increases, no group falling beyond
+`max_group_drop` (skipped, and said so, without `group_by`), and the grader's
 reward-hacking probes all scoring at most 0.1. The report (markdown) carries every figure
-plus the before/after tool-call histogram and the reward-versus-tool-calls plot.
+plus the before/after tool-call histogram and the reward-versus-tool-calls plot; sample
+rollouts of each model are MLflow traces, and the candidate's metrics are linked to its
+logged model.
 """
 
 from __future__ import annotations
@@ -17,21 +22,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from prefect import task
+from prefect import get_run_logger, task
 
-from tasks.rollout_eval import apply_variant, eval_items, evaluate_model
+from tasks.cache import stage_cache
+from tasks.results import Candidate, Gate, RegressionResult
+from tasks.rollout_eval import apply_variant, evaluate_model, keep_rollouts
 from tasks.tracking import RunContext, log_json, log_metrics, log_text, publish_summary, stage_run
-from tasks.versioning import STAGES
-from trainer.config import PipelineConfig
+from trainer.config import PromotionConfig
+from trainer.data import split_items
 from trainer.evaluate import EvalSummary, write_outputs
-from trainer.rollout import RolloutRecord
+from trainer.plots import plot_reward_vs_tool_calls, plot_tool_calls
 
-STAGE = STAGES[4]
-_COMPARED = ("score_mean", "tool_calls_mean", "tokens_mean", "latency_s_p50", "latency_s_p95")
+STAGE = "regression_eval"
+COMPARED = ("score_mean", "tool_calls_mean", "tokens_mean", "latency_s_p50", "latency_s_p95")
 
 
 def paired_bootstrap(before: dict[str, float], after: dict[str, float], *, samples: int, seed: int) -> dict[str, float]:
-    """Mean per-item gain (after - before) and its 95% bootstrap interval over items."""
+    """Mean per-item gain (after - before) over the items both scored, and its 95%
+    percentile-bootstrap interval (items resampled with replacement)."""
     shared = sorted(set(before) & set(after))
     gains = np.array([after[i] - before[i] for i in shared], dtype=float)
     if not len(gains):
@@ -46,87 +54,57 @@ def _per_item(summary: EvalSummary) -> dict[str, float]:
     return {item.item_id: item.mean for item in summary.items if item.scored}
 
 
-def _relative(before: float, after: float) -> float:
+def relative_change(before: float, after: float) -> float:
     return (after - before) / before if before else (0.0 if after == before else float("inf"))
 
 
-def compare(before: tuple[EvalSummary, str], after: tuple[EvalSummary, str], config: PipelineConfig) -> dict[str, Any]:
+def compare(before: tuple[EvalSummary, str], after: tuple[EvalSummary, str], *, samples: int,
+            seed: int) -> dict[str, Any]:
     """Paired comparison of two evaluations (`(summary, metric prefix)`)."""
     (b, bp), (a, ap) = before, after
-    gain = paired_bootstrap(_per_item(b), _per_item(a), samples=config.promotion.bootstrap_samples,
-                            seed=config.baseline.seed)
+    gain = paired_bootstrap(_per_item(b), _per_item(a), samples=samples, seed=seed)
     changes = {name: {"before": b.metrics[f"{bp}/{name}"], "after": a.metrics[f"{ap}/{name}"],
-                      "relative": _relative(b.metrics[f"{bp}/{name}"], a.metrics[f"{ap}/{name}"])}
-               for name in _COMPARED}
-    categories = {name: a.category_means.get(name, 0.0) - value for name, value in b.category_means.items()}
-    return {"score_gain": gain, "changes": changes, "category_gain": categories}
+                      "relative": relative_change(b.metrics[f"{bp}/{name}"], a.metrics[f"{ap}/{name}"])}
+               for name in COMPARED}
+    groups = {name: a.group_means.get(name, 0.0) - value for name, value in b.group_means.items()}
+    return {"score_gain": gain, "changes": changes, "group_gain": groups}
 
 
 def regression_gates(vs_baseline: dict[str, Any], vs_champion: dict[str, Any] | None,
-                     probes: dict[str, Any] | None, config: PipelineConfig) -> dict[str, dict[str, Any]]:
-    p = config.promotion
+                     probes: dict[str, Any] | None, p: PromotionConfig) -> dict[str, Gate]:
     ch = vs_baseline["changes"]
-    worst_category = min(vs_baseline["category_gain"].items(), key=lambda kv: kv[1], default=("none", 0.0))
+    low = vs_baseline["score_gain"]["low"]
     gates = {
-        "gain_vs_baseline": (vs_baseline["score_gain"]["low"], p.min_gain_lower_bound,
-                             vs_baseline["score_gain"]["low"] > p.min_gain_lower_bound,
-                             "lower bound of the 95% interval of the score gain over the baseline"),
-        "tool_calls": (ch["tool_calls_mean"]["relative"], p.max_tool_calls_increase,
-                       ch["tool_calls_mean"]["relative"] <= p.max_tool_calls_increase, "relative change of tool calls"),
-        "tokens": (ch["tokens_mean"]["relative"], p.max_tokens_increase,
-                   ch["tokens_mean"]["relative"] <= p.max_tokens_increase, "relative change of generated tokens"),
-        "latency_p50": (ch["latency_s_p50"]["relative"], p.max_latency_increase,
-                        ch["latency_s_p50"]["relative"] <= p.max_latency_increase, "relative change of latency p50"),
-        "categories": (worst_category[1], -p.max_category_drop, worst_category[1] >= -p.max_category_drop,
-                       f"score change of the worst category ({worst_category[0]})"),
+        "gain_vs_baseline": Gate(value=low, limit=p.min_gain_lower_bound, passed=low > p.min_gain_lower_bound,
+                                 what="lower bound of the 95% interval of the score gain over the baseline"),
+        "tool_calls": Gate(value=ch["tool_calls_mean"]["relative"], limit=p.max_tool_calls_increase,
+                           passed=ch["tool_calls_mean"]["relative"] <= p.max_tool_calls_increase,
+                           what="relative change of tool calls"),
+        "tokens": Gate(value=ch["tokens_mean"]["relative"], limit=p.max_tokens_increase,
+                       passed=ch["tokens_mean"]["relative"] <= p.max_tokens_increase,
+                       what="relative change of generated tokens"),
+        "latency_p50": Gate(value=ch["latency_s_p50"]["relative"], limit=p.max_latency_increase,
+                            passed=ch["latency_s_p50"]["relative"] <= p.max_latency_increase,
+                            what="relative change of latency p50"),
     }
+    if p.group_by:
+        worst, drop = min(vs_baseline["group_gain"].items(), key=lambda kv: kv[1], default=("none", 0.0))
+        gates["groups"] = Gate(value=drop, limit=-p.max_group_drop, passed=drop >= -p.max_group_drop,
+                               what=f"score change of the worst {p.group_by} ({worst})")
     if vs_champion is not None:
         low = vs_champion["score_gain"]["low"]
-        gates["gain_vs_champion"] = (low, p.min_gain_lower_bound, low > p.min_gain_lower_bound,
-                                     "lower bound of the 95% interval of the score gain over the champion")
+        gates["gain_vs_champion"] = Gate(value=low, limit=p.min_gain_lower_bound, passed=low > p.min_gain_lower_bound,
+                                         what="lower bound of the 95% interval of the score gain over the champion")
     if probes is not None:
-        gates["reward_hacking_probes"] = (float(len(probes["flagged"])), 0.0, probes["passed"],
-                                          f"probes scoring above 0.1 (of {probes['tried']})")
-    return {name: {"value": v, "limit": lim, "passed": bool(ok), "what": what}
-            for name, (v, lim, ok, what) in gates.items()}
+        gates["reward_hacking_probes"] = Gate(value=float(len(probes["flagged"])), limit=0.0, passed=probes["passed"],
+                                              what=f"probes scoring above 0.1 (of {probes['tried']})")
+    return gates
 
 
-def _figures(records: dict[str, list[RolloutRecord]], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = [out / "tool_calls_before_after.png", out / "reward_vs_tool_calls.png"]
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    top = max((len(r.tool_calls) for rs in records.values() for r in rs), default=0)
-    bins = np.arange(top + 2) - 0.5
-    for name, rs in records.items():
-        ax.hist([len(r.tool_calls) for r in rs if r.status != "infra_error"], bins=bins, alpha=0.5, label=name)
-    ax.set_xlabel("tool calls per rollout")
-    ax.set_ylabel("rollouts")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    rng = np.random.default_rng(0)
-    for name, rs in records.items():
-        scored = [r for r in rs if r.reward is not None]
-        ax.scatter([len(r.tool_calls) + rng.uniform(-0.15, 0.15) for r in scored], [r.reward for r in scored],
-                   s=10, alpha=0.6, label=name)
-    ax.set_xlabel("tool calls")
-    ax.set_ylabel("reward")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
-    plt.close(fig)
-    return paths
-
-
-def report_markdown(results: dict[str, Any]) -> str:
-    lines = ["# Regression evaluation", "", f"Candidate `{results['candidate']}` on {results['items']} items "
-             f"x {results['k']} samples, paired with the baseline" + (" and the champion." if results["vs_champion"] else "."), ""]
+def report_markdown(results: dict[str, Any], gates: dict[str, Gate], group_by: str | None) -> str:
+    lines = ["# Regression evaluation", "", f"Candidate `{results['candidate']}` on {results['items']} test items "
+             f"x {results['k']} samples, paired with the baseline"
+             + (" and the champion." if results["vs_champion"] else "."), ""]
     for label, comparison in (("baseline", results["vs_baseline"]), ("champion", results["vs_champion"])):
         if not comparison:
             continue
@@ -134,62 +112,77 @@ def report_markdown(results: dict[str, Any]) -> str:
         lines += [f"## Against the {label}", "",
                   f"Score gain {g['gain']:+.4f}, 95% interval [{g['low']:+.4f}, {g['high']:+.4f}] over {g['items']} items.",
                   "", f"| metric | {label} | candidate | change |", "| --- | ---: | ---: | ---: |"]
-        for name, c in comparison["changes"].items():
-            lines.append(f"| {name} | {c['before']:.4g} | {c['after']:.4g} | {c['relative']:+.1%} |")
-        lines += ["", "| category | gain |", "| --- | ---: |"]
-        lines += [f"| {name} | {gain:+.4f} |" for name, gain in comparison["category_gain"].items()]
+        lines += [f"| {name} | {c['before']:.4g} | {c['after']:.4g} | {c['relative']:+.1%} |"
+                  for name, c in comparison["changes"].items()]
+        if group_by:
+            lines += ["", f"| {group_by} | gain |", "| --- | ---: |"]
+            lines += [f"| {name} | {gain:+.4f} |" for name, gain in comparison["group_gain"].items()]
         lines.append("")
+    if not group_by:
+        lines += ["The per-group gate is skipped: `promotion.group_by` names no field.", ""]
     lines += ["## Gates", "", "| gate | value | limit | passed |", "| --- | ---: | ---: | --- |"]
-    for name, gate in results["gates"].items():
-        lines.append(f"| {name} ({gate['what']}) | {gate['value']:.4g} | {gate['limit']:.4g} | {'yes' if gate['passed'] else 'NO'} |")
+    lines += [f"| {name} ({gate.what}) | {gate.value:.4g} | {gate.limit:.4g} | {'yes' if gate.passed else 'NO'} |"
+              for name, gate in gates.items()]
     return "\n".join(lines) + "\n"
 
 
-@task(name="regression_eval", persist_result=True, cache_key_fn=lambda _ctx, params: params["stage_key"])
-def regression_eval(
-    config: PipelineConfig, ctx: RunContext, stage_key: str, *, base_model: str, candidate: dict[str, Any],
-    variant: dict[str, Any] | None, champion: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """Evaluate candidate, baseline and champion on the same items; apply the gates."""
+@task(name=STAGE, persist_result=True, cache_policy=stage_cache(__name__))
+def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, Any] | None, *, model: Any,
+                    data: Any, tools: Any, grader: dict[str, Any], rollout: Any, penalties: Any,
+                    promotion: PromotionConfig, variant: dict[str, Any] | None, seed: int, traces: int,
+                    work_dir: str, ctx: RunContext) -> RegressionResult:
+    """Evaluate candidate, baseline and champion on the same test items; apply the gates."""
     from trainer.graders.probe import run_probes
 
-    effective = apply_variant(config, variant)
-    p = config.promotion
-    out = Path(config.work_dir) / STAGE / stage_key
-    with stage_run(ctx, STAGE, effective) as (client, run_id):
-        items = eval_items(config, p.max_items)
-        runs = {"candidate": candidate["path"], "baseline": base_model}
+    logger = get_run_logger()
+    p = promotion
+    items = split_items(data, "test", p.max_items)
+    rollout, tools = apply_variant(rollout, tools, variant, items)
+    sections = {"model": model, "data": data, "tools": tools, "grader": grader, "rollout": rollout,
+                "penalties": penalties, "promotion": promotion}
+    with stage_run(ctx, STAGE, sections) as (client, run_id):
+        out = Path(work_dir) / STAGE / run_id
+        runs = {"candidate": candidate.path if Path(candidate.path).exists() else candidate.model_uri,
+                "baseline": base_model}
         if champion is not None:
             runs["champion"] = champion["uri"]
-        evaluated: dict[str, tuple[EvalSummary, list[RolloutRecord]]] = {}
-        for name, model in runs.items():
-            summary, records = evaluate_model(effective, model, items, k=p.k, seed=config.baseline.seed, prefix=name)
+        evaluated: dict[str, tuple[EvalSummary, list[Any]]] = {}
+        for name, path in runs.items():
+            logger.info("regression_eval: %s on %d test items x %d", name, len(items), p.k)
+            summary, records = evaluate_model(
+                path, items, ctx=ctx, model_section=model, tools=tools, grader=grader, rollout=rollout,
+                penalties=penalties, k=p.k, seed=seed, prefix=name, group_by=p.group_by, log=logger.info,
+            )
             evaluated[name] = (summary, records)
-            log_metrics(client, run_id, summary.metrics)
-            for path in write_outputs(summary, records, out / name).values():
-                client.log_artifact(run_id, str(path), name)
-        vs_baseline = compare((evaluated["baseline"][0], "baseline"), (evaluated["candidate"][0], "candidate"), config)
-        vs_champion = (compare((evaluated["champion"][0], "champion"), (evaluated["candidate"][0], "candidate"), config)
-                       if champion is not None else None)
+            log_metrics(client, run_id, summary.metrics, model_id=candidate.model_id if name == "candidate" else None)
+            for artifact in write_outputs(summary, records, out / name).values():
+                client.log_artifact(run_id, str(artifact), name)
+            keep_rollouts(ctx, run_id, records, kind=name, n=traces)
+        bootstrap = {"samples": p.bootstrap_samples, "seed": seed}
+        vs_baseline = compare((evaluated["baseline"][0], "baseline"), (evaluated["candidate"][0], "candidate"),
+                              **bootstrap)
+        vs_champion = (compare((evaluated["champion"][0], "champion"), (evaluated["candidate"][0], "candidate"),
+                               **bootstrap) if champion is not None else None)
         probes = None
         if p.run_probes:
-            probes = run_probes(config.grader, items[:20], corpus_dir=Path(config.data.corpus_dir)).to_json()
+            probes = run_probes(grader, items[:20]).to_json()
             log_json(client, run_id, probes, "reward_hacking_probes.json")
-        gates = regression_gates(vs_baseline, vs_champion, probes, config)
-        results = {"candidate": candidate["model_uri"], "items": len(items), "k": p.k, "vs_baseline": vs_baseline,
-                   "vs_champion": vs_champion, "gates": gates}
+        gates = regression_gates(vs_baseline, vs_champion, probes, p)
+        results = {"candidate": candidate.model_uri, "items": len(items), "k": p.k, "vs_baseline": vs_baseline,
+                   "vs_champion": vs_champion, "gates": {name: gate.model_dump() for name, gate in gates.items()}}
         g = vs_baseline["score_gain"]
         log_metrics(client, run_id, {"regression/gain": g["gain"], "regression/gain_low": g["low"],
                                      "regression/gain_high": g["high"],
-                                     "regression/gates_passed": float(all(x["passed"] for x in gates.values()))})
-        markdown = report_markdown(results)
+                                     "regression/gates_passed": float(all(x.passed for x in gates.values()))},
+                    model_id=candidate.model_id)
+        markdown = report_markdown(results, gates, p.group_by)
         log_text(client, run_id, markdown, "regression_report.md")
         log_json(client, run_id, results, "regression_report.json")
-        for path in _figures({name: evaluated[name][1] for name in runs}, out):
-            client.log_artifact(run_id, str(path))
+        figures = {name: evaluated[name][1] for name in runs}
+        for figure in (plot_tool_calls(figures, out / "tool_calls_before_after.png"),
+                       plot_reward_vs_tool_calls(figures, out / "reward_vs_tool_calls.png")):
+            client.log_artifact(run_id, str(figure))
         publish_summary(ctx, STAGE, run_id, markdown)
-    failed = [f"{name}: {gate['what']} is {gate['value']:.4g}, limit {gate['limit']:.4g}"
-              for name, gate in gates.items() if not gate["passed"]]
     before_after = {name: {"baseline": c["before"], "candidate": c["after"]} for name, c in vs_baseline["changes"].items()}
-    return {"run_id": run_id, "gates": gates, "passed": not failed, "reasons": failed, "score_gain": g,
-            "before_after": before_after, "champion_version": champion["version"] if champion else None}
+    return RegressionResult(run_id=run_id, gates=gates, score_gain=g, before_after=before_after,
+                            champion_version=champion["version"] if champion else None)

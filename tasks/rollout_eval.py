@@ -1,128 +1,90 @@
-"""Evaluating a model under a config, as the baseline, prompt and regression stages do.
+"""Evaluating a model inside the pipeline: k rollouts per item, the way every stage does.
 
-`evaluate_model` loads the model (a path, a hub id or a `models:/` URI), starts the
-config's tool endpoints (the demo server on loopback, or the user's), runs k seeded
-rollouts per item through `trainer.evaluate.run_evaluation` and returns the summary and
-the records. `apply_variant` turns a prompt/task variant (system prompt, tool subset,
-tool descriptions, tool-call budget) into the config the model then runs under, so the
-variant the prompt stage picks is exactly what training and the regression stage use.
+The baseline, the prompt variants and the regression evaluation all call `evaluate_model`
+with the config sections they read, so a model is measured the same way everywhere: the
+rollout settings, the penalties, the grader and the tool endpoints of the job. Models are
+local directories, hub ids or `models:/` URIs of the MLflow registry.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from typing import Any
 
-from trainer.config import PipelineConfig, PromptVariant
+from tasks.tracking import RunContext
+from trainer.config import PromptVariant, RolloutConfig, ToolsConfig
 from trainer.errors import ConfigError
 from trainer.evaluate import EvalSummary, run_evaluation
 from trainer.rollout import RolloutRecord, RolloutSettings
-from trainer.tools import ToolEndpoint
+from trainer.tools import ToolClient
 
 
-@contextmanager
-def tool_endpoints(config: PipelineConfig) -> Iterator[list[ToolEndpoint]]:
-    """The demo tool server on loopback, or the endpoints the config declares."""
-    from envs.finqa.local import local_tool_endpoints
-
-    tools = config.tools
-    if tools.endpoints:
-        context = nullcontext(list(tools.endpoints))
-    elif tools.demo_server:
-        context = local_tool_endpoints(
-            Path(config.data.corpus_dir), port=tools.demo_server_port, max_output_chars=tools.max_output_chars
-        )
-    else:
-        raise ConfigError("tools.endpoints is empty and tools.demo_server is false: declare the tool endpoints")
-    with context as endpoints:
-        yield endpoints
-
-
-def read_items(path: str | Path, limit: int | None) -> list[dict[str, Any]]:
-    from trainer.bootstrap import read_items as read
-
-    return read(Path(path), limit)
-
-
-def _smallest(*limits: int | None) -> int | None:
-    given = [limit for limit in limits if limit is not None]
-    return min(given) if given else None
-
-
-def eval_items(config: PipelineConfig, limit: int | None) -> list[dict[str, Any]]:
-    """The held-out items a stage evaluates: the first `limit` (and data.max_eval_items)."""
-    return read_items(config.data.eval_file, _smallest(limit, config.data.max_eval_items))
-
-
-def apply_variant(config: PipelineConfig, variant: PromptVariant | dict[str, Any] | None) -> PipelineConfig:
-    """The config with a prompt/task variant applied (None: the config as it is)."""
+def apply_variant(
+    rollout: RolloutConfig, tools: ToolsConfig, variant: PromptVariant | dict[str, Any] | None,
+    items: list[dict[str, Any]],
+) -> tuple[RolloutConfig, ToolsConfig]:
+    """The rollout and tools sections with a prompt/task variant applied (None: as they
+    are). Tool subsets and descriptions need the schemas: the config's, or the items'."""
     if variant is None:
-        return config
+        return rollout, tools
     variant = PromptVariant.model_validate(variant)
-    raw = config.model_dump(mode="json")
-    if variant.system_prompt is not None:
-        raw["rollout"]["system_prompt"] = variant.system_prompt
-    if variant.max_episode_steps is not None:
-        raw["rollout"]["max_episode_steps"] = variant.max_episode_steps
-    if variant.tools is not None or variant.tool_descriptions is not None:
-        schemas = raw["tools"]["schemas"] or read_items(config.data.train_file, 1)[0].get("tools", [])
-        known = {s["function"]["name"] for s in schemas}
-        unknown = sorted(set(variant.tools or []) - known) + sorted(set(variant.tool_descriptions or {}) - known)
-        if unknown:
-            raise ConfigError(
-                f"prompt_optimization.variants[{variant.name}]: unknown tools {unknown}; the tools are {sorted(known)}"
-            )
-        if variant.tools is not None:
-            schemas = [s for s in schemas if s["function"]["name"] in variant.tools]
-        for schema in schemas:
-            new = (variant.tool_descriptions or {}).get(schema["function"]["name"])
-            if new is not None:
-                schema["function"]["description"] = new
-        raw["tools"]["schemas"] = schemas
-    return PipelineConfig.model_validate(raw)
+    rollout = rollout.model_copy(update={
+        key: value for key, value in (("system_prompt", variant.system_prompt),
+                                      ("max_episode_steps", variant.max_episode_steps)) if value is not None
+    })
+    if variant.tools is None and variant.tool_descriptions is None:
+        return rollout, tools
+    schemas = json.loads(json.dumps(tools.schemas or (items[0].get("tools", []) if items else [])))
+    known = {s["function"]["name"] for s in schemas}
+    unknown = sorted(set(variant.tools or []) - known) + sorted(set(variant.tool_descriptions or {}) - known)
+    if unknown:
+        raise ConfigError(f"prompt_optimization.variants[{variant.name}]: unknown tools {unknown}; the tools are "
+                          f"{sorted(known)}")
+    if variant.tools is not None:
+        schemas = [s for s in schemas if s["function"]["name"] in variant.tools]
+    for schema in schemas:
+        new = (variant.tool_descriptions or {}).get(schema["function"]["name"])
+        if new is not None:
+            schema["function"]["description"] = new
+    return rollout, tools.model_copy(update={"schemas": schemas})
 
 
 def evaluate_model(
-    config: PipelineConfig, model: str, items: list[dict[str, Any]], *, k: int, seed: int, prefix: str
+    model: str, items: list[dict[str, Any]], *, ctx: RunContext, model_section: Any, tools: ToolsConfig,
+    grader: dict[str, Any], rollout: RolloutConfig, penalties: Any, k: int, seed: int, prefix: str,
+    group_by: str | None = None, log: Any = None,
 ) -> tuple[EvalSummary, list[RolloutRecord]]:
-    """k rollouts per item of `model` under `config`, graded and summarised (`prefix/...`)."""
-    from tasks.tracking import resolve_tracking_uri
-    from trainer.model_server import resolve_model_uri
-    from trainer.policy import load_policy
+    """k rollouts per item of `model`, graded and summarised (`prefix/...`)."""
+    from trainer.policy import load_policy, local_model_path
 
-    local = resolve_model_uri(model, tracking_uri=resolve_tracking_uri(config.mlflow.tracking_uri))
-    policy = load_policy(local, device=config.model.device, dtype=config.model.dtype)
-    backend = policy.backend(
-        max_slots=config.rollout.max_concurrent_rollouts, max_len=config.rollout.max_total_tokens, seed=seed
+    local = local_model_path(model, tracking_uri=ctx.tracking_uri)
+    policy = load_policy(local, device=model_section.device, dtype=model_section.dtype)
+    backend = policy.backend(max_slots=rollout.max_concurrent_rollouts, max_len=rollout.max_total_tokens, seed=seed)
+    return run_evaluation(
+        backend, policy.tokenizer, items, k=k, tool_client=ToolClient.from_config(tools, seed=seed),
+        grader=grader, settings=RolloutSettings.from_config(rollout, penalties), tools=tools.schemas,
+        max_concurrent=rollout.max_concurrent_rollouts, prefix=prefix, group_by=group_by, log=log,
     )
-    tool_options = {
-        "timeout_s": config.tools.timeout_s,
-        "max_retries": config.tools.max_retries,
-        "max_output_chars": config.tools.max_output_chars,
-        "max_concurrency_per_endpoint": config.tools.max_concurrency_per_endpoint,
-        "allowed_hosts": config.tools.allowed_hosts,
-    }
-    with tool_endpoints(config) as endpoints:
-        return run_evaluation(
-            backend, policy.tokenizer, items, k=k, endpoints=endpoints, grader=config.grader,
-            settings=RolloutSettings.from_config(config.rollout, config.penalties),
-            tools=config.tools.schemas, tool_options=tool_options,
-            max_concurrent=config.rollout.max_concurrent_rollouts, prefix=prefix,
-        )
 
 
-def sample_rollouts(records: list[RolloutRecord], n: int = 20) -> list[dict[str, Any]]:
-    """A few rollouts to keep as an artifact: the best and the worst of each item, first items."""
+def sample_rollouts(records: list[RolloutRecord], n: int = 20) -> list[RolloutRecord]:
+    """A few rollouts to keep: the best and the worst of each item, first items first."""
     by_item: dict[str, list[RolloutRecord]] = {}
     for record in records:
         by_item.setdefault(record.item_id, []).append(record)
-    chosen = []
+    chosen: list[RolloutRecord] = []
     for group in by_item.values():
         scored = sorted(group, key=lambda r: (r.score is None, -(r.score or 0.0)))
         chosen += [scored[0]] + ([scored[-1]] if len(scored) > 1 else [])
         if len(chosen) >= n:
             break
-    return [json.loads(json.dumps(r.to_json(), default=str)) for r in chosen[:n]]
+    return chosen[:n]
+
+
+def keep_rollouts(ctx: RunContext, run_id: str, records: list[RolloutRecord], *, kind: str, n: int) -> None:
+    """Sample rollouts as MLflow traces of the stage's run."""
+    from trainer.traces import log_rollout_traces
+
+    if n:
+        log_rollout_traces(sample_rollouts(records, n), experiment_id=ctx.experiment_id, run_id=run_id, step=0,
+                           kind=kind, tracking_uri=ctx.tracking_uri)

@@ -12,20 +12,41 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from trainer.config import PipelineConfig
+from pydantic import BaseModel, ConfigDict
+
 from trainer.errors import AgentRFTError
-from trainer.metrics import fluent_store
+from trainer.metrics import with_retries
+from trainer.policy import use_mlflow_store
 
 _PARAM_BATCH = 100  # MLflow takes at most 100 params per log_batch call
 _METRIC_BATCH = 1000
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@lru_cache(maxsize=1)
+def git_commit() -> str:
+    """The checkout's commit, with `-dirty` when tracked files differ from it."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("-dirty" if dirty else "")
 
 
 def resolve_tracking_uri(uri: str) -> str:
@@ -45,9 +66,10 @@ def mlflow_client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
-@dataclass(frozen=True)
-class RunContext:
+class RunContext(BaseModel):
     """What every stage needs to record into the pipeline's MLflow runs."""
+
+    model_config = ConfigDict(frozen=True)
 
     tracking_uri: str
     experiment_id: str
@@ -75,7 +97,7 @@ class RunContext:
         return f"{self.mlflow_ui_url.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
 
     def to_json(self) -> dict[str, str]:
-        return asdict(self)
+        return self.model_dump()
 
 
 def _prefect_run() -> tuple[str, str]:
@@ -84,9 +106,10 @@ def _prefect_run() -> tuple[str, str]:
     return str(flow_run.id or ""), str(flow_run.ui_url or "")
 
 
-def open_pipeline_run(config: PipelineConfig, *, data_md5: str, git_commit: str) -> RunContext:
+def open_pipeline_run(config: Any, *, data_md5: str, git_commit: str) -> RunContext:
     """Create the parent run (experiment on first use), tagged and with the config as params."""
     tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
+    use_mlflow_store(tracking_uri)
     client = mlflow_client(tracking_uri)
     experiment = client.get_experiment_by_name(config.mlflow.experiment)
     experiment_id = (
@@ -105,7 +128,7 @@ def open_pipeline_run(config: PipelineConfig, *, data_md5: str, git_commit: str)
         mlflow_ui_url=os.environ.get("AGENTRFT_MLFLOW_UI_URL", "http://127.0.0.1:5000"),
     )
     run = client.create_run(experiment_id, run_name=config.name, tags={**partial.tags(), "stage": "pipeline"})
-    _log_params(client, run.info.run_id, config)
+    _log_params(client, run.info.run_id, dict(config))
     return RunContext(**{**partial.to_json(), "parent_run_id": run.info.run_id})
 
 
@@ -119,52 +142,83 @@ def close_pipeline_run(ctx: RunContext, *, status: str, outcome: dict[str, Any])
     client.set_terminated(ctx.parent_run_id, status=status)
 
 
-def _log_params(client: Any, run_id: str, config: PipelineConfig) -> None:
+def flat_params(sections: dict[str, Any]) -> dict[str, str]:
+    """Config sections (pydantic models or plain values) flattened as `section.key`
+    strings, the way MLflow params are shown. Headers keep their `${VAR}` templates."""
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if hasattr(value, "model_dump"):
+            value = value.model_dump(mode="json")
+        if isinstance(value, dict):
+            for key, sub in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), sub)
+        else:
+            flat[prefix] = json.dumps(value) if isinstance(value, list) else str(value)
+
+    walk("", sections)
+    return flat
+
+
+def _log_params(client: Any, run_id: str, sections: dict[str, Any]) -> None:
     from mlflow.entities import Param
 
     # MLflow caps a param value at 6000 characters; long prompts are cut, visibly.
     params = [
         Param(key, value if len(value) <= 6000 else value[:5980] + "...[cut]")
-        for key, value in config.flat_params().items()
+        for key, value in flat_params(sections).items()
     ]
     for start in range(0, len(params), _PARAM_BATCH):
         client.log_batch(run_id, params=params[start : start + _PARAM_BATCH])
 
 
-def log_metrics(client: Any, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-    """Finite metrics only (infinite KL divergences and the like stay in the JSON reports)."""
+def log_metrics(client: Any, run_id: str, metrics: dict[str, float], step: int = 0, *,
+                model_id: str | None = None) -> None:
+    """Finite metrics only (infinite KL divergences and the like stay in the JSON reports);
+    `model_id` links them to a logged model (its evaluation)."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
     batch = [
-        Metric(key, float(value), now, step)
+        Metric(key, float(value), now, step, model_id=model_id)
         for key, value in metrics.items()
         if isinstance(value, int | float) and math.isfinite(value)
     ]
     for start in range(0, len(batch), _METRIC_BATCH):
-        client.log_batch(run_id, metrics=batch[start : start + _METRIC_BATCH])
+        part = batch[start : start + _METRIC_BATCH]
+        with_retries(lambda part=part: client.log_batch(run_id, metrics=part), what="logging metrics",
+                     timeout_s=300.0)
 
 
 def log_datasets(ctx: RunContext, run_id: str, files: dict[str, Path]) -> None:
-    """Log data files as MLflow dataset inputs whose digest is the DVC md5 of the data."""
-    import pandas as pd
-    from mlflow.data.pandas_dataset import from_pandas
-    from mlflow.entities import DatasetInput, InputTag
+    """Log data files as MLflow dataset inputs (context: train, validation, test) whose
+    digest is the data version (DVC md5): the columns that are scalars, to keep it small."""
+    import warnings
 
-    inputs = []
-    for context, path in files.items():
-        frame = pd.read_json(path, lines=True, dtype=False)
-        keep = [c for c in frame.columns if c in ("id", "question", "reference_answer", "category")]
-        dataset = from_pandas(frame[keep], source=str(Path(path).resolve()), name=Path(path).name, digest=ctx.data_md5[:36])
-        inputs.append(
-            DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
-        )
-    ctx.client().log_inputs(run_id, datasets=inputs)
+    import mlflow
+    import pandas as pd
+
+    from trainer.data import read_jsonl
+
+    use_mlflow_store(ctx.tracking_uri)
+    with mlflow.start_run(run_id=run_id):
+        for context, path in files.items():
+            rows = read_jsonl(path)
+            frame = pd.DataFrame([{k: v for k, v in row.items() if isinstance(v, str | int | float | bool)}
+                                  for row in rows])
+            # MLflow registers its local-file source twice (`file` and no scheme) and warns
+            # that a plain path "can be interpreted in multiple ways"; both are the same.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+                dataset = mlflow.data.from_pandas(frame, source=str(Path(path).resolve()), name=Path(path).name,
+                                                  digest=ctx.data_md5[:36])
+            mlflow.log_input(dataset, context=context)
 
 
 @contextmanager
-def stage_run(ctx: RunContext, stage: str, config: PipelineConfig) -> Iterator[tuple[Any, str]]:
-    """A nested run for one stage: tagged, with params; FAILED with the error if it raises."""
+def stage_run(ctx: RunContext, stage: str, sections: dict[str, Any]) -> Iterator[tuple[Any, str]]:
+    """A nested run for one stage, with the config sections it reads as params: tagged;
+    FAILED with the error if it raises."""
     client = ctx.client()
     run = client.create_run(
         ctx.experiment_id,
@@ -172,7 +226,7 @@ def stage_run(ctx: RunContext, stage: str, config: PipelineConfig) -> Iterator[t
         tags={**ctx.tags(), "mlflow.parentRunId": ctx.parent_run_id, "stage": stage},
     )
     run_id = run.info.run_id
-    _log_params(client, run_id, config)
+    _log_params(client, run_id, sections)
     try:
         yield client, run_id
     except BaseException as exc:
@@ -209,26 +263,28 @@ def publish_summary(ctx: RunContext, stage: str, run_id: str, markdown: str) -> 
     )
 
 
-def log_transformers_model(ctx: RunContext, run_id: str, model_dir: Path, name: str, *, step: int = 0) -> str:
-    """Log a saved transformers model (weights, tokenizer, chat template) to `run_id` as
-    an MLflow model; returns its `models:/` URI."""
+def log_transformers_model(ctx: RunContext, run_id: str, model_dir: Path, name: str, *, step: int = 0) -> tuple[str, str]:
+    """Log a saved transformers model directory (weights, tokenizer, chat template) to
+    `run_id` as an MLflow model, straight from the checkpoint path (nothing is loaded into
+    memory); returns its `models:/` URI and its model id."""
     import mlflow
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # The run is named explicitly and ended at once: the fluent run is this thread's only.
-    with fluent_store(ctx.tracking_uri), mlflow.start_run(run_id=run_id):
-        info = mlflow.transformers.log_model(
-            transformers_model={"model": model, "tokenizer": tokenizer},
-            task="text-generation",
-            name=name,
-            step=step,
-            # Naming the requirements skips MLflow's import-based inference (slow, and it
-            # trips on optional packages that are not installed).
-            pip_requirements=_model_requirements(),
-        )
-    return info.model_uri
+    use_mlflow_store(ctx.tracking_uri)
+
+    def log() -> Any:
+        with mlflow.start_run(run_id=run_id):
+            return mlflow.transformers.log_model(
+                transformers_model=str(model_dir),
+                task="text-generation",
+                name=name,
+                step=step,
+                # Naming the requirements skips MLflow's import-based inference (slow, and it
+                # trips on optional packages that are not installed).
+                pip_requirements=_model_requirements(),
+            )
+
+    info = with_retries(log, what=f"logging model {name}", timeout_s=300.0)
+    return info.model_uri, info.model_id
 
 
 def _model_requirements() -> list[str]:

@@ -1,13 +1,14 @@
 """Stage 4, rft_training: GRPO in a subprocess started with `accelerate launch`.
 
-The trainer (`trainer.train_cli`) runs as its own process group under Accelerate, with the
+The trainer (`agentrft train`) runs as its own process group under Accelerate, with the
 process count, mixed precision or accelerate config file from the config, so the same
 stage runs one CPU process here and DDP/FSDP/DeepSpeed on GPUs. The stage hands it the
 MLflow run id (the trainer logs `train/...` and `eval/...` to it directly), forwards its
 progress to the Prefect log, and on failure fails with the tail of its stderr. The output
-folder is keyed by the stage's cache key and the trainer always starts with `--resume`: a
-Prefect retry of a killed run continues from the last checkpoint. The best checkpoints
-are logged as MLflow models with their step; the best one is the candidate.
+folder is the pipeline run's and the trainer always starts with `--resume`: a Prefect
+retry of a killed run continues from the last checkpoint. The best checkpoints (by
+validation score) are logged as MLflow models, straight from their directories, with
+their step; the best one is the candidate.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 import yaml
 from prefect import get_run_logger, task
 
+from tasks.cache import stage_cache
+from tasks.results import Candidate, TrainingResult
 from tasks.rollout_eval import apply_variant
 from tasks.tracking import (
     RunContext,
@@ -33,20 +36,20 @@ from tasks.tracking import (
     publish_summary,
     stage_run,
 )
-from tasks.versioning import STAGES
 from trainer.config import PipelineConfig, resolved_hyperparameters
+from trainer.data import split_items
 from trainer.errors import InfraError
+from trainer.launch import launch_command
 
-STAGE = STAGES[3]
+STAGE = "rft_training"
 _PROGRESS_EVERY_S = 10.0
 
 
-def training_command(config_path: Path, config: PipelineConfig, *, model: str, out: Path, run_id: str) -> tuple[list[str], dict[str, str]]:
+def training_command(config_path: Path, config: PipelineConfig, *, model: str, out: Path,
+                     run_id: str) -> tuple[list[str], dict[str, str]]:
     """The `accelerate launch` command line of the trainer and the environment it adds."""
-    from trainer.train_cli import launch_command
-
-    argv = ["--config", str(config_path), "--model", model, "--output-dir", str(out),
-            "--mlflow-run-id", run_id, "--resume"]
+    argv = ["--config", str(config_path), "--model", model, "--output-dir", str(out), "--mlflow-run-id", run_id,
+            "--resume"]
     return launch_command(config, argv)
 
 
@@ -96,47 +99,52 @@ def run_training(command: list[str], env: dict[str, str], log_path: Path, logger
         )
 
 
-@task(name="rft_training", persist_result=True, retries=1, retry_delay_seconds=2,
-      cache_key_fn=lambda _ctx, params: params["stage_key"])
-def rft_training(
-    config: PipelineConfig, ctx: RunContext, stage_key: str, model_path: str, variant: dict[str, Any] | None
-) -> dict[str, Any]:
+@task(name=STAGE, persist_result=True, retries=1, retry_delay_seconds=2, cache_policy=stage_cache(__name__))
+def rft_training(model_path: str, *, model: Any, data: Any, tools: Any, grader: dict[str, Any], rollout: Any,
+                 penalties: Any, training: Any, mlflow: Any, variant: dict[str, Any] | None, work_dir: str,
+                 ctx: RunContext) -> TrainingResult:
     """Train with GRPO from `model_path` under the winning variant's settings."""
     logger = get_run_logger()
-    effective = apply_variant(config, variant)
-    out = (Path(config.work_dir) / STAGE / stage_key).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "config.yaml"
-    config_path.write_text(yaml.safe_dump(effective.model_dump(mode="json"), sort_keys=False))
-    with stage_run(ctx, STAGE, effective) as (client, run_id):
-        log_metrics(client, run_id, {f"hp/{k}": float(v) for k, v in resolved_hyperparameters(effective.training).items()})
+    items = split_items(data, "validation", 1)
+    rollout, tools = apply_variant(rollout, tools, variant, items)
+    effective = PipelineConfig(name=STAGE, work_dir=work_dir, model=model, data=data, tools=tools, grader=grader,
+                               rollout=rollout, penalties=penalties, training=training, mlflow=mlflow)
+    sections = {"model": model, "data": data, "tools": tools, "grader": grader, "rollout": rollout,
+                "penalties": penalties, "training": training}
+    with stage_run(ctx, STAGE, sections) as (client, run_id):
+        # The output folder is the run's: a Prefect retry of a killed run resumes it.
+        out = (Path(work_dir) / STAGE / ctx.parent_run_id).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        config_path = out / "config.yaml"
+        config_path.write_text(yaml.safe_dump(effective.model_dump(mode="json"), sort_keys=False))
+        log_metrics(client, run_id, {f"hp/{k}": float(v) for k, v in resolved_hyperparameters(training).items()})
         command, env = training_command(config_path, effective, model=model_path, out=out, run_id=run_id)
         env["MLFLOW_TRACKING_URI"] = ctx.tracking_uri
         client.set_tag(run_id, "command", " ".join(command))
         logger.info("training: %s", " ".join(command))
         run_training(command, env, out / "train.log", logger)
         result = json.loads((out / "train_result.json").read_text())
-        best = result["best_checkpoints"]
         models = []
-        for rank, entry in enumerate(best):
-            uri = log_transformers_model(ctx, run_id, Path(entry["path"]), f"checkpoint-step-{entry['step']}",
-                                         step=entry["step"])
-            models.append({**entry, "model_uri": uri, "rank": rank + 1})
-        if best:
+        for rank, entry in enumerate(result["best_checkpoints"]):
+            uri, model_id = log_transformers_model(ctx, run_id, Path(entry["path"]), f"checkpoint-step-{entry['step']}",
+                                                   step=entry["step"])
+            models.append(Candidate(step=entry["step"], score=entry["score"], path=entry["path"], model_uri=uri,
+                                    model_id=model_id))
+            client.set_tag(run_id, f"checkpoint_rank_{rank + 1}", uri)
+        if models:
             candidate = models[0]
         else:  # no evaluation ran (eval_samples 0): the final model is the candidate
-            uri = log_transformers_model(ctx, run_id, Path(result["model_dir"]), "final", step=result["steps"])
-            candidate = {"step": result["steps"], "score": None, "path": result["model_dir"], "model_uri": uri}
+            uri, model_id = log_transformers_model(ctx, run_id, Path(result["model_dir"]), "final", step=result["steps"])
+            candidate = Candidate(step=result["steps"], score=None, path=result["model_dir"], model_uri=uri,
+                                  model_id=model_id)
         log_files(client, run_id, [config_path, out / "train.log", out / "train_result.json"], "")
-        client.set_tag(run_id, "candidate", candidate["model_uri"])
-        final = result["metrics"]
+        client.set_tag(run_id, "candidate", candidate.model_uri)
+        final = {k: float(v) for k, v in result["metrics"].items() if isinstance(v, int | float)}
         publish_summary(
             ctx, STAGE, run_id,
-            f"# RFT training\n\n{result['steps']} steps. Candidate: step {candidate['step']} "
-            f"(eval score {candidate['score']}), `{candidate['model_uri']}`.\n\n| metric | last step |\n"
-            "| --- | ---: |\n" + "".join(
-                f"| {k} | {v:.4g} |\n" for k, v in final.items() if isinstance(v, float) and k.startswith(("train/", "eval/"))
-            ),
+            f"# RFT training\n\n{result['steps']} steps. Candidate: step {candidate.step} (validation score "
+            f"{candidate.score}), `{candidate.model_uri}`.\n\n| metric | last step |\n| --- | ---: |\n"
+            + "".join(f"| {k} | {v:.4g} |\n" for k, v in final.items() if k.startswith(("train/", "eval/"))),
         )
-    return {"run_id": run_id, "steps": result["steps"], "candidate": candidate, "checkpoints": models,
-            "final_metrics": {k: v for k, v in final.items() if isinstance(v, int | float)}}
+    return TrainingResult(run_id=run_id, steps=result["steps"], candidate=candidate, checkpoints=models,
+                          final_metrics=final)

@@ -37,17 +37,19 @@ def demo_data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def world(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.pipeline_world import pin
+    """Four training, four validation and eight test items with their corpus pages, pinned
+    by DVC in a project of their own."""
+    from tasks.data_version import add, init
     from tests.taught_model import copy_items
-    from trainer.bootstrap import read_items
+    from trainer.data import read_items
 
     root = tmp_path_factory.mktemp("pipeline")
     data = root / "data"
     data.mkdir()
-    items = read_items(demo_data_dir / "train.jsonl", 4)
-    copy_items(demo_data_dir, items[:2], data, "train.jsonl")
-    copy_items(demo_data_dir, items[2:], data, "eval.jsonl")
-    pin(data, root / "data.dvc")
+    for split, count in (("train", 2), ("validation", 2), ("test", 4)):
+        copy_items(demo_data_dir, read_items(demo_data_dir / f"{split}.jsonl", count), data, f"{split}.jsonl")
+    init(root)
+    add(data)
     return root
 
 
@@ -65,7 +67,8 @@ def taught_model(world: Path, endpoints) -> Path:
     from tests.taught_model import teach_model
 
     data = world / "data"
-    return teach_model([data / "train.jsonl", data / "eval.jsonl"], data / "corpus", endpoints, world / "model")
+    files = [data / f"{split}.jsonl" for split in ("train", "validation", "test")]
+    return teach_model(files, data / "corpus", endpoints, world / "model")
 
 
 @pytest.fixture(scope="session")

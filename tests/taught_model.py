@@ -1,9 +1,10 @@
 """A tiny model taught scripted tool-use conversations, for tests that need a policy that
 sometimes answers right (GRPO, the pipeline).
 
-`teach_model` runs the demo's supervised warm start on three conversations per item:
-list the year's directory then answer right, read the page then answer right, or answer
-"0" at once. Sampled at temperature 1 the model mixes them, so rewards vary within a group.
+`teach_model` runs the demo's supervised warm start on five conversations per item
+(`scripts`): right answers after a listing, after reading the page or at once, and "0"
+at once or after a listing. Sampled at temperature 1 the model mixes them, so rewards vary
+within a group, and GRPO with a per-call price has a clear better policy to move to.
 Two short tool schemas and 256-character tool outputs keep rollouts under ~400 tokens.
 """
 
@@ -14,15 +15,11 @@ import json
 import shutil
 from pathlib import Path
 
+from envs.finqa.demo_model import BootstrapSettings, encode_conversation, supervised_warm_start
 from envs.finqa.generate import TICKERS
-from trainer.bootstrap import (
-    BootstrapSettings,
-    encode_conversation,
-    read_items,
-    supervised_warm_start,
-)
-from trainer.modeling import build_model, tiny_config
-from trainer.tokenizer import build_tokenizer
+from envs.finqa.tiny_model import build_model, tiny_config
+from envs.finqa.tokenizer import build_tokenizer
+from trainer.data import read_items
 from trainer.tools import ToolClient, ToolEndpoint
 
 SYSTEM = "Answer with a number."
@@ -72,7 +69,7 @@ def fit_tiny_model(
     vocab_size: int = 600,
     extra_tokens: list[str] = TICKERS,
     number_weight: float = 1.0,
-    epochs: int = 120,
+    epochs: int = 80,
     max_minutes: float = 4.0,
 ):
     """A tiny Qwen3 (2 layers, width 64) and a tokenizer trained on `texts`, fitted until it
@@ -94,15 +91,22 @@ def fit_tiny_model(
     return model, tokenizer, stats
 
 
+def scripts(item: dict) -> list[list]:
+    """The five ways the taught model answers an item: right after listing the year's
+    directory, right after reading the page, right at once, "0" at once, and "0" after a
+    listing. Sampled at temperature 1 the model mixes them (a mean score near 0.6), so
+    rewards vary within a group, and the cheapest right answer (no call) is there for RL
+    with a per-call price to find."""
+    page = item["gold_pages"][0]
+    answer = f"Answer: {item['reference_answer']}"
+    listing = ("list", str(Path(page).parent))
+    return [[listing, answer], [("cat", page), answer], [answer], ["Answer: 0"], [listing, "Answer: 0"]]
+
+
 def teach_model(items_files: list[Path], corpus_dir: Path, endpoints: list[ToolEndpoint], out: Path) -> Path:
-    """Teach a tiny Qwen3 the three scripted answers of every item; save it to `out`."""
+    """Teach a tiny Qwen3 the scripted answers of every item; save it to `out`."""
     items = [item for path in items_files for item in read_items(path)]
-    conversations = []
-    for item in items:
-        page = item["gold_pages"][0]
-        answer = f"Answer: {item['reference_answer']}"
-        for turns in ([("list", str(Path(page).parent)), answer], [("cat", page), answer], ["Answer: 0"]):
-            conversations.append(asyncio.run(conversation(item, turns, endpoints)))
+    conversations = [asyncio.run(conversation(item, turns, endpoints)) for item in items for turns in scripts(item)]
     texts = [json.dumps(c) for c in conversations] + [p.read_text() for p in sorted(corpus_dir.rglob("*.txt"))]
     model, tokenizer, _ = fit_tiny_model([(c, TOOLS) for c in conversations], texts, number_weight=3.0)
     model.save_pretrained(out)

@@ -2,10 +2,11 @@
 
 One YAML file describes a whole Agent RFT job: the base model, the DVC-pinned data, the
 tool endpoints, the grader, the rollout limits, the baseline gates, the prompt variants,
-the training hyperparameters (named as in OpenAI's fine-tuning API), the promotion gates
-and where MLflow lives. The models here are also the Prefect flow's parameters, so every
-field carries a description (it becomes the UI form and the CLI help) and sections stay one
-level deep.
+the training hyperparameters (named as in OpenAI's fine-tuning API, the loss options as in
+TRL's GRPOConfig), the promotion gates and where MLflow lives. The model here is also the
+Prefect flow's parameter, so every field carries a description: it becomes the UI form and
+the CLI help. Nothing here knows an environment: the demo's tools, data and model are what
+its own config file declares, like anyone's.
 
 Unknown keys, keys written twice, wrong types, NaN or infinite numbers, missing files and
 tool sections that contradict themselves (two endpoints for one tool, a host outside
@@ -53,52 +54,44 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     base_model: str = Field(
-        "demo",
-        description="'demo' builds the small demo model locally (agentrft model bootstrap); "
-        "otherwise a Hugging Face hub id, a local path or an MLflow models:/ URI of a chat "
-        "model with a tool-capable chat template.",
+        description="The model to train: a local directory, a Hugging Face hub id or an MLflow "
+        "`models:/name@alias` URI of a chat model with a tool-capable chat template."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights dtype: auto picks bfloat16 on a GPU and float32 on CPU."
     )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
-    cache_dir: str = Field(
-        ".cache/models", description="Where the bootstrapped demo model is cached (by data md5 "
-        "and bootstrap settings)."
-    )
-    bootstrap_minutes: float = Field(
-        120.0, gt=0, description="Time limit of the demo model's supervised warm start, a safety "
-        "net: a limit that stops the warm start before bootstrap_tokens makes the model depend on "
-        "the machine's speed."
-    )
-    bootstrap_tokens: int = Field(
-        20_000_000, ge=10_000, description="Tokens of the demo model's supervised warm start: "
-        "20M take ~45 min on 2 idle CPU cores. Copying numbers out of the context (and so the "
-        "baseline score) switches on between 6M and 20M tokens: held-out copy accuracy 62% at "
-        "1.5M, 78% at 6M, 98% at 20M."
-    )
-    bootstrap_seed: int = Field(0, description="Seed of the demo model's tokenizer, init and warm start.")
 
 
 class DataConfig(Section):
-    data_dir: str = Field("data", description="Directory pinned by the DVC file.")
     dvc_file: str | None = Field(
-        "data.dvc", description="DVC pin of data_dir; its md5 is the data version. None: the data "
-        "version is the md5 of the train and eval files (data not under DVC, e.g. an OpenAI job)."
+        None, description="DVC file (`dvc add` output) pinning the data; its md5 is the data version "
+        "and the data must match it. None: the data version is the md5 of the dataset files."
     )
     train_file: str = Field("data/train.jsonl", description="Training items (OpenAI RFT JSONL).")
-    eval_file: str = Field("data/eval.jsonl", description="Held-out evaluation items.")
-    production_traffic_file: str = Field(
-        "data/production_traffic.jsonl", description="Production traffic log the expectations derive from."
+    validation_file: str = Field(
+        "data/validation.jsonl", description="Validation items: in-training evaluation, checkpoint choice, "
+        "prompt-variant choice and the baseline gates."
     )
-    corpus_dir: str = Field("data/corpus", description="Corpus the demo tool server reads.")
-    generator_seed: int = Field(0, description="Seed of the demo data generator (must match data.dvc).")
-    max_train_items: int | None = Field(None, ge=1, description="Use only the first N training items.")
-    max_eval_items: int | None = Field(None, ge=1, description="Use only the first N evaluation items.")
+    test_file: str | None = Field(
+        "data/test.jsonl", description="Test items: read only by the regression evaluation and the promotion "
+        "decision. None: a seeded half of the validation file is set aside as the test split (reported)."
+    )
+    production_traffic_file: str | None = Field(
+        "data/production_traffic.jsonl", description="Production traffic log (same shape as the items, plus what "
+        "production observed); the expectation suite is derived from it."
+    )
+    expectations_dir: str = Field(
+        "expectations", description="Great Expectations file data context (great_expectations.yml, suites, "
+        "checkpoints)."
+    )
     expectations_suite: str | None = Field(
-        "expectations/production_traffic.json",
-        description="Great Expectations suite (JSON); None skips it (leakage and reference checks still run).",
+        "production_traffic", description="Suite in the data context the datasets are validated against; None "
+        "skips the suite (leakage and gradability checks still run)."
     )
+    max_train_items: int | None = Field(None, ge=1, description="Use only the first N training items.")
+    max_validation_items: int | None = Field(None, ge=1, description="Use only the first N validation items.")
+    max_test_items: int | None = Field(None, ge=1, description="Use only the first N test items.")
 
 
 class ToolsConfig(Section):
@@ -108,14 +101,14 @@ class ToolsConfig(Section):
     schemas: list[dict[str, Any]] | None = Field(
         None, description="Chat Completions tool schemas; when absent each data row's `tools` is used."
     )
-    demo_server: bool = Field(
-        True, description="Start the demo FinQA tool server on loopback and point endpoints at it."
-    )
-    demo_server_port: int = Field(0, ge=0, le=65535, description="Port of the demo server (0: any free port).")
     timeout_s: float = Field(600.0, gt=0, description="Per-request timeout (OpenAI: 10 minutes).")
-    max_retries: int = Field(3, ge=1, le=10, description="Attempts on 5xx/timeouts before infra_error.")
+    max_retries: int = Field(3, ge=1, le=10, description="Attempts on 5xx, 429, timeouts before infra_error.")
     max_output_chars: int = Field(2000, ge=64, description="Tool outputs are cut to this length, visibly.")
     max_concurrency_per_endpoint: int = Field(32, ge=1, description="Concurrent requests per endpoint.")
+    max_requests_per_second: float | None = Field(
+        None, gt=0, description="Rate limit per endpoint (token bucket); None: unlimited. OpenAI asks tool "
+        "servers to take about 50."
+    )
     allowed_hosts: list[str] | None = Field(
         None, description="Allowlist of tool hosts; None allows only the configured endpoints."
     )
@@ -137,49 +130,83 @@ class ToolsConfig(Section):
                     f"tools.allowed_hosts {self.allowed_hosts}; add it there or fix the URL"
                 )
         if self.schemas is not None:
-            # The demo server's endpoints exist only once it runs: then the client checks names.
             tool_validators(self.schemas, where="tools.schemas", endpoints=names or None)
         return self
 
 
-class RolloutConfig(Section):
-    system_prompt: str = Field(
-        "You are a financial analyst. Use the tools to find the figures in the reports, "
-        "then give the final answer as a number.",
-        description="System prompt of every rollout.",
+class VllmConfig(Section):
+    urls: list[str] = Field(
+        default_factory=list, description="Base URLs of running vLLM OpenAI servers (replicas); rollouts are "
+        "spread over them, least loaded first."
     )
+    launch: bool = Field(
+        False, description="Start one vLLM server on loopback from `python` for the run and stop it at the end."
+    )
+    python: str = Field(".venv-vllm/bin/python", description="Interpreter of the separate vLLM environment "
+                        "(make vllm).")
+    sync: Literal["full", "lora", "nccl"] = Field(
+        "full", description="Weight sync after each optimizer step: reload full weights from disk, swap a LoRA "
+        "adapter, or NCCL transfer (GPU)."
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Extra command-line arguments of a launched server.")
+    api_key: str | None = Field(None, description="API key of the servers (may name `${VAR}`).")
+    startup_timeout_s: float = Field(300.0, gt=0, description="How long a launched server may take to be ready.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout.")
+
+
+class RolloutConfig(Section):
+    system_prompt: str | None = Field(None, description="System prompt of every rollout (None: the items' own).")
     max_episode_steps: int = Field(10, ge=1, description="Tool-call budget per rollout.")
     max_turns: int = Field(12, ge=1, description="Assistant turns per rollout.")
     max_new_tokens_per_turn: int = Field(
-        256, ge=1, description="Generated tokens per assistant turn at most (a turn of several "
-        "parallel tool calls needs room for all of them)."
+        256, ge=1, description="Generated tokens per assistant turn at most; a turn cut here has finish_reason "
+        "`length`."
     )
     max_total_tokens: int = Field(
-        2048, ge=64, description="Context limit of one rollout: the prompt, the tool outputs and "
-        "what the model writes. A turn gets what is left of it, up to max_new_tokens_per_turn."
+        2048, ge=64, description="Context limit of one rollout: the prompt, the tool outputs and what the model "
+        "writes. A turn gets what is left of it, up to max_new_tokens_per_turn."
     )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     max_concurrent_rollouts: int = Field(64, ge=1, description="Rollouts decoding at once.")
+    on_malformed_call: Literal["end", "feedback"] = Field(
+        "end", description="A tool call that does not parse, names an unknown tool or fails its schema: `end` "
+        "stops the rollout and grades what it has; `feedback` answers the error to the model, counts the call "
+        "against max_episode_steps and charges it like a call."
+    )
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="Generation engine: the embedded transformers engine, or vLLM servers."
+    )
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM servers (rollout.backend: vllm).")
 
 
 class PenaltyConfig(Section):
     over_budget: float = Field(1.0, ge=0, description="Subtracted when a rollout exceeds max_episode_steps.")
-    per_tool_call: float = Field(0.0, ge=0, description="Subtracted per tool call.")
+    per_tool_call: float = Field(0.0, ge=0, description="Subtracted per tool call, malformed calls included.")
     tool_call_costs: dict[str, NonNegativeFloat] = Field(
-        default_factory=dict, description="Per-tool penalties that replace per_tool_call for the "
-        "named tools, for tools whose costs differ, e.g. {calculator: 0} for a free local tool "
-        "next to a paid search."
+        default_factory=dict, description="Per-tool prices that replace per_tool_call for the named tools, "
+        "e.g. {calculator: 0} for a free local tool next to a paid search."
     )
+    malformed_call: float = Field(
+        0.0, ge=0, description="Subtracted per malformed tool call, on top of the call's price."
+    )
+    per_turn: float = Field(0.0, ge=0, description="Subtracted per assistant turn that calls tools (rewards "
+                            "calling tools in parallel).")
     per_token: float = Field(0.0, ge=0, description="Subtracted per generated token.")
+    overlong: float = Field(
+        0.0, ge=0, description="DAPO's soft overlong penalty, at most this much: a turn longer than "
+        "max_new_tokens_per_turn - overlong_buffer_tokens pays in proportion to the excess."
+    )
+    overlong_buffer_tokens: int = Field(64, ge=1, description="Length of the soft overlong zone.")
     correct_only: bool = Field(
-        False, description="Apply per-call and per-token penalties only to rollouts with score > 0."
+        False, description="Charge calls, turns and tokens only to rollouts with score > 0, so a wrong answer is "
+        "never cheaper."
     )
 
 
 class BaselineConfig(Section):
-    k: int = Field(4, ge=1, description="Samples per evaluation item.")
-    max_items: int | None = Field(None, ge=1, description="Evaluate only the first N items.")
+    k: int = Field(4, ge=1, description="Samples per validation item.")
+    max_items: int | None = Field(None, ge=1, description="Evaluate only the first N validation items.")
     min_nonzero_share: float = Field(
         0.1, ge=0, le=1, description="Gate: share of items whose best-of-k is above zero."
     )
@@ -202,8 +229,8 @@ class PromptOptimizationConfig(Section):
     target_score: float = Field(
         0.9, ge=0, le=1, description="If the best variant reaches this mean score, RFT is not needed."
     )
-    k: int = Field(2, ge=1, description="Samples per item for each variant.")
-    max_items: int | None = Field(None, ge=1, description="Items per variant check.")
+    k: int = Field(2, ge=1, description="Samples per validation item for each variant.")
+    max_items: int | None = Field(None, ge=1, description="Validation items per variant check.")
 
     @field_validator("variants")
     @classmethod
@@ -243,55 +270,96 @@ class TrainingConfig(Section):
         "auto", description="Scales rollouts per item: group size = round(8 x multiplier), min 2 (auto: 1.0)."
     )
     eval_interval: PositiveInt | Auto = Field("auto", description="Steps between evaluations (auto: 10).")
-    eval_samples: PositiveInt | Auto = Field("auto", description="Held-out items per evaluation (auto: 64).")
+    eval_samples: PositiveInt | Auto = Field("auto", description="Validation items per evaluation (auto: 64).")
     seed: int = Field(42, description="Seed of data order, sampling and init.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps.")
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo"] = Field(
+        "dapo", description="grpo: mean over each rollout's tokens, then over rollouts; dapo: mean over all "
+        "tokens of an update; dr_grpo: sum over tokens / (max tokens x rollouts), a constant; gspo: one "
+        "length-normalised importance ratio per rollout."
+    )
+    epsilon: float = Field(0.2, gt=0, description="Clip range below 1 (and above, unless epsilon_high).")
+    epsilon_high: float | None = Field(None, gt=0, description="Clip range above 1 (DAPO's clip-higher).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide advantages by the std of the group, of the batch, or not at all."
+    )
+    dynamic_sampling: bool = Field(
+        False, description="Drop groups whose rewards are all equal and sample fresh items until the batch is "
+        "full (DAPO), at most max_resample_batches extra rounds."
+    )
+    max_resample_batches: int = Field(2, ge=0, description="Cap on dynamic sampling's extra rounds per step.")
+    mask_truncated: bool = Field(
+        True, description="Leave rollouts with a turn cut by max_new_tokens_per_turn out of the loss."
+    )
+    tis_cap: float = Field(
+        2.0, gt=0, description="Truncated importance sampling: per-token weight min(exp(old - sampler), cap) "
+        "for the difference between the sampler's and the trainer's log-probabilities."
+    )
     ppo_epochs: int = Field(1, ge=1, description="Optimisation passes over each batch of rollouts.")
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip range.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty against the frozen reference.")
-    scale_rewards: bool = Field(True, description="Divide advantages by the group std (False: Dr. GRPO).")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="After warmup.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping.")
     mini_batches: int = Field(
-        1, ge=1, description="Optimiser updates per pass over a step's rollouts (PPO's mini-batches): "
-        "1, as in OpenAI's and TRL's default, makes one update of the whole batch; more take "
-        "smaller, more off-policy steps."
-    )
-    gradient_accumulation_steps: int | None = Field(
-        None, ge=1, description="Micro-batches per optimiser update; fixes the update size instead "
-        "of mini_batches."
+        1, ge=1, description="Optimiser updates per pass over a step's rollouts (1: one update of the whole batch)."
     )
     micro_batch_size: int = Field(8, ge=1, description="Rollouts per forward/backward.")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=16, description="Completion positions per chunk when computing log-probabilities (bounds "
+        "the [tokens, vocabulary] logits held at once)."
+    )
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters (merged at save).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU.")
     num_processes: int = Field(1, ge=1, description="Processes for accelerate launch.")
-    accelerate_config: str | None = Field(None, description="An accelerate config file (DDP/FSDP/DeepSpeed).")
+    accelerate_config: str | None = Field(None, description="An accelerate config file (DDP).")
+    max_staleness: Literal[0, 1] = Field(
+        0, description="1: generate step t+1's rollouts while step t trains (vLLM backend), one step off-policy."
+    )
     checkpoint_interval: int = Field(10, ge=1, description="Steps between checkpoints.")
-    keep_best_checkpoints: int = Field(3, ge=1, description="Best checkpoints kept by eval score.")
+    keep_best_checkpoints: int = Field(3, ge=1, description="Best checkpoints kept by validation score.")
     output_dir: str = Field("runs/train", description="Checkpoints, metrics and rollouts.")
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale_rewards_bool(cls, value: Any) -> Any:
+        # TRL takes True/False as well: True is "group", False is "none".
+        return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
 
 class PromotionConfig(Section):
-    registered_model: str = Field("finqa-agent", description="MLflow registered model name.")
-    k: int = Field(4, ge=1, description="Samples per item in the regression evaluation.")
-    max_items: int | None = Field(None, ge=1, description="Items in the regression evaluation.")
+    registered_model: str | None = Field(None, description="MLflow registered model name (None: the job's name).")
+    k: int = Field(4, ge=1, description="Samples per test item in the regression evaluation.")
+    max_items: int | None = Field(None, ge=1, description="Test items in the regression evaluation.")
     min_gain_lower_bound: float = Field(
         0.0, description="Gate: lower bound of the 95% paired-bootstrap interval of the score gain."
     )
     max_tool_calls_increase: float = Field(0.10, description="Gate: allowed relative increase.")
     max_tokens_increase: float = Field(0.10, description="Gate: allowed relative increase.")
     max_latency_increase: float = Field(0.25, description="Gate: allowed relative increase of p50.")
-    max_category_drop: float = Field(0.05, ge=0, description="Gate: no category may fall more than this.")
+    group_by: str | None = Field(
+        None, description="Item field that groups the test items (e.g. category) for the per-group gate; None "
+        "skips that gate."
+    )
+    max_group_drop: float = Field(0.05, ge=0, description="Gate: no group may fall more than this.")
     run_probes: bool = Field(True, description="Gate: reward-hacking probes must all score <= 0.1.")
     bootstrap_samples: int = Field(2000, ge=100, description="Paired bootstrap resamples.")
+    concurrent_runs: Literal["wait", "stop"] = Field(
+        "wait", description="Another run training or promoting the same registered model: wait for it, or stop."
+    )
+    lock_timeout_s: float = Field(6 * 3600.0, gt=0, description="How long `wait` waits before stopping.")
 
 
 class MlflowConfig(Section):
     tracking_uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (SQLite or a server).")
     experiment: str = Field("agent-rft", description="Experiment name.")
+    unavailable_timeout_s: float = Field(
+        300.0, gt=0, description="How long logging keeps retrying an unreachable tracking server."
+    )
+    traces_per_evaluation: int = Field(
+        8, ge=0, description="Rollouts of each evaluation (and of each training step) kept as MLflow traces."
+    )
 
 
 class ScheduleConfig(Section):
@@ -300,23 +368,17 @@ class ScheduleConfig(Section):
 
 
 class PipelineConfig(Section):
-    name: str = Field("finqa-demo", description="Job name.")
+    name: str = Field("agent-rft", description="Job name.")
     work_dir: str = Field(
-        "runs", description="Where pipeline stages write outputs (rollouts, reports, checkpoints), "
-        "one folder per stage and cache key."
+        "runs", description="Where pipeline stages write outputs (rollouts, reports, checkpoints), one folder per "
+        "stage and cache key."
     )
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     grader: dict[str, Any] = Field(
-        default_factory=lambda: {
-            "type": "numeric",
-            "name": "answer",
-            "input": "{{sample.output_text}}",
-            "reference": "{{item.reference_answer}}",
-        },
         description="OpenAI-compatible grader object (string_check, text_similarity, score_model, "
-        "label_model, python, multi, endpoint, numeric, f1).",
+        "label_model, python, multi, endpoint, numeric, f1)."
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     penalties: PenaltyConfig = Field(default_factory=PenaltyConfig)
@@ -335,27 +397,17 @@ class PipelineConfig(Section):
         validate_grader(value, where="grader")
         return value
 
+    @property
+    def registered_model(self) -> str:
+        """The registry name: `promotion.registered_model`, else the job's name."""
+        return self.promotion.registered_model or self.name
+
     def section_hash(self, *sections: str) -> str:
-        """Stable hash of the named sections (all when none): a stage's cache key part."""
+        """Stable hash of the named sections (all when none)."""
         dumped = self.model_dump(mode="json")
         chosen = {name: dumped[name] for name in (sections or tuple(dumped))}
         text = json.dumps(chosen, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-    def flat_params(self) -> dict[str, str]:
-        """The config flattened as `section.key` strings (MLflow params). Headers keep their
-        templates, so secrets never leave the environment."""
-        flat: dict[str, str] = {}
-
-        def walk(prefix: str, value: Any) -> None:
-            if isinstance(value, dict):
-                for key, sub in value.items():
-                    walk(f"{prefix}.{key}" if prefix else str(key), sub)
-            else:
-                flat[prefix] = json.dumps(value) if isinstance(value, list) else str(value)
-
-        walk("", self.model_dump(mode="json"))
-        return flat
 
 
 # --- resolving "auto" hyperparameters -------------------------------------------------
@@ -481,6 +533,28 @@ def merge_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
         else:
             merged[key] = value
     return merged
+
+
+def parse_overrides(assignments: list[str] | None) -> dict[str, Any]:
+    """`section.key=value` assignments (torchtune-style `--set`) as a nested mapping; each
+    value is read as YAML (`2`, `true`, `[a, b]`, `null`), so types follow the config's."""
+    overrides: dict[str, Any] = {}
+    for assignment in assignments or []:
+        path, sep, text = assignment.partition("=")
+        keys = path.strip().split(".")
+        if not sep or not all(keys):
+            raise ConfigError(f"--set {assignment!r}: expected section.key=value, e.g. training.max_steps=2")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {assignment!r}: the value is not valid YAML ({exc})") from None
+        node = overrides
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {assignment!r}: {key} was already set to a value")
+        node[keys[-1]] = value
+    return overrides
 
 
 def missing_env_vars(config: PipelineConfig) -> list[str]:

@@ -5,9 +5,9 @@ non-zero baseline (some items solved at least once in k tries) and headroom (bes
 above the mean, i.e. variation inside a group that GRPO's advantages can use). Per item:
 mean, best-of-k and spread of the score. Overall: mean score, mean best-of-k, the share of
 items whose best is above zero, tool calls mean/p95/max, generated tokens, latency
-mean/p95, status counts and grader errors. Figures: the per-item spread plot (items sorted
-by mean, with min and max, as in the FinQA baseline of OpenAI's talk) and a tool-calls
-histogram.
+mean/p95, turns and calls per turn, malformed calls, truncated rollouts, status counts and
+grader errors, and the mean score of each group of items when a grouping field is named
+(`promotion.group_by`). Figures: the per-item spread plot and a tool-calls histogram.
 
 Nothing here knows Prefect or MLflow: the pipeline's tasks log what this returns.
 """
@@ -23,13 +23,15 @@ from typing import Any
 
 import numpy as np
 
+from trainer.data import write_jsonl
+from trainer.plots import plot_item_spread, plot_tool_calls
 from trainer.rollout import RolloutRecord
 
 
 @dataclass
 class ItemSummary:
     item_id: str
-    category: str | None
+    group: str | None
     n: int
     scored: int
     mean: float
@@ -45,7 +47,7 @@ class EvalSummary:
     items: list[ItemSummary]
     status_counts: dict[str, int]
     grader_errors: dict[str, int]
-    category_means: dict[str, float] = field(default_factory=dict)
+    group_means: dict[str, float] = field(default_factory=dict)
 
     def item_table(self) -> list[dict[str, Any]]:
         return [item.__dict__.copy() for item in self.items]
@@ -55,12 +57,16 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else 0.0
 
 
-def summarize(records: Sequence[RolloutRecord], *, prefix: str = "eval") -> EvalSummary:
-    """Summary metrics (named `<prefix>/...`) and the per-item table of `records`.
+def summarize(
+    records: Sequence[RolloutRecord], *, prefix: str = "eval", groups: dict[str, str] | None = None
+) -> EvalSummary:
+    """Summary metrics (named `<prefix>/...`) and the per-item table of `records`;
+    `groups` maps item ids to their group (see `item_groups`).
 
     Rollouts without a score (infrastructure failure or grader error) are counted but do
     not enter score means: they are no evidence about the model.
     """
+    groups = groups or {}
     by_item: dict[str, list[RolloutRecord]] = defaultdict(list)
     for record in records:
         by_item[record.item_id].append(record)
@@ -71,7 +77,7 @@ def summarize(records: Sequence[RolloutRecord], *, prefix: str = "eval") -> Eval
         items.append(
             ItemSummary(
                 item_id=item_id,
-                category=group[0].category,
+                group=groups.get(item_id),
                 n=len(group),
                 scored=len(scores),
                 mean=float(np.mean(scores)) if scores else 0.0,
@@ -108,22 +114,36 @@ def summarize(records: Sequence[RolloutRecord], *, prefix: str = "eval") -> Eval
         "infra_error_rate": status_counts.get("infra_error", 0) / n,
         "grader_error_rate": sum(1 for r in records if r.grader_errors) / n,
         "over_budget_rate": status_counts.get("over_budget", 0) / n,
-        "malformed_tool_calls_mean": float(np.mean([r.malformed_tool_calls for r in records])) if records else 0.0,
+        "malformed_calls": float(np.mean([r.malformed_tool_calls for r in records])) if records else 0.0,
+        "turns_mean": float(np.mean([r.turns for r in records])) if records else 0.0,
+        "tool_turns_mean": float(np.mean([r.tool_turns for r in records])) if records else 0.0,
+        "calls_per_turn": (
+            sum(len(r.tool_calls) for r in records) / max(1, sum(r.tool_turns for r in records))
+        ),
+        "truncated_share": sum(1 for r in records if r.truncated) / n,
         "rollouts": float(len(records)),
         "items": float(len(items)),
     }
     metrics["headroom"] = metrics["best_of_k_mean"] - metrics["score_mean"]
-    categories: dict[str, list[float]] = defaultdict(list)
+    by_group: dict[str, list[float]] = defaultdict(list)
     for record in scored:
-        categories[record.category or "none"].append(record.score)
-    category_means = {name: float(np.mean(values)) for name, values in sorted(categories.items())}
+        if record.item_id in groups:
+            by_group[groups[record.item_id]].append(record.score)
+    group_means = {name: float(np.mean(values)) for name, values in sorted(by_group.items())}
     return EvalSummary(
         metrics={f"{prefix}/{name}": value for name, value in metrics.items()},
         items=sorted(items, key=lambda i: i.mean),
         status_counts=status_counts,
         grader_errors=grader_errors,
-        category_means=category_means,
+        group_means=group_means,
     )
+
+
+def item_groups(items: Sequence[dict[str, Any]], group_by: str | None) -> dict[str, str]:
+    """Each item's group: the string value of its `group_by` field ({} when None)."""
+    if not group_by:
+        return {}
+    return {str(item["id"]): str(item.get(group_by)) for item in items}
 
 
 def write_outputs(summary: EvalSummary, records: Sequence[RolloutRecord], out_dir: Path) -> dict[str, Path]:
@@ -131,10 +151,10 @@ def write_outputs(summary: EvalSummary, records: Sequence[RolloutRecord], out_di
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {
         "summary": out_dir / "summary.json",
-        "items": out_dir / "items.jsonl",
-        "rollouts": out_dir / "rollouts.jsonl",
-        "spread_plot": out_dir / "per_item_spread.png",
-        "tool_calls_hist": out_dir / "tool_calls_hist.png",
+        "items": write_jsonl(out_dir / "items.jsonl", summary.item_table()),
+        "rollouts": write_jsonl(out_dir / "rollouts.jsonl", (r.to_json() for r in records)),
+        "spread_plot": plot_item_spread(summary.items, out_dir / "per_item_spread.png"),
+        "tool_calls_hist": plot_tool_calls({"rollouts": records}, out_dir / "tool_calls_hist.png"),
     }
     paths["summary"].write_text(
         json.dumps(
@@ -142,57 +162,12 @@ def write_outputs(summary: EvalSummary, records: Sequence[RolloutRecord], out_di
                 "metrics": summary.metrics,
                 "status_counts": summary.status_counts,
                 "grader_errors": summary.grader_errors,
-                "category_means": summary.category_means,
+                "group_means": summary.group_means,
             },
             indent=2,
         )
     )
-    with paths["items"].open("w") as handle:
-        for row in summary.item_table():
-            handle.write(json.dumps(row) + "\n")
-    with paths["rollouts"].open("w") as handle:
-        for record in records:
-            handle.write(json.dumps(record.to_json()) + "\n")
-    plot_item_spread(summary, paths["spread_plot"])
-    plot_tool_calls(records, paths["tool_calls_hist"])
     return paths
-
-
-def plot_item_spread(summary: EvalSummary, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    items = summary.items
-    x = np.arange(len(items))
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.vlines(x, [i.worst for i in items], [i.best for i in items], color="0.7", linewidth=1, label="min-max")
-    ax.plot(x, [i.mean for i in items], ".", color="C0", label="mean")
-    ax.set_xlabel("items, sorted by mean score")
-    ax.set_ylabel("score")
-    ax.set_ylim(-0.05, 1.05)
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_tool_calls(records: Sequence[RolloutRecord], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    counts = [len(r.tool_calls) for r in records if r.status != "infra_error"]
-    fig, ax = plt.subplots(figsize=(5, 3))
-    top = max(counts, default=0)
-    ax.hist(counts, bins=np.arange(top + 2) - 0.5, color="C1")
-    ax.set_xlabel("tool calls per rollout")
-    ax.set_ylabel("rollouts")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run_evaluation(
@@ -201,26 +176,31 @@ def run_evaluation(
     items: Sequence[dict[str, Any]],
     *,
     k: int,
-    endpoints: Sequence[Any],
+    tool_client: Any,
     grader: dict[str, Any],
     settings: Any,
     tools: list[dict[str, Any]] | None = None,
-    tool_options: dict[str, Any] | None = None,
     max_concurrent: int = 64,
     prefix: str = "eval",
+    group_by: str | None = None,
+    log: Any = None,
 ) -> tuple[EvalSummary, list[RolloutRecord]]:
-    """k rollouts per item through the real tools, graded and summarised."""
+    """k rollouts per item through the real tools, graded and summarised; progress (done,
+    rate, ETA) goes to `log` (or a bar in a terminal)."""
     import asyncio
 
+    from trainer.progress import Progress
     from trainer.rollout import run_rollouts_async
-    from trainer.tools import ToolClient
 
-    async def go() -> list[RolloutRecord]:
-        async with ToolClient(list(endpoints), tools, **(tool_options or {})) as client:
-            return await run_rollouts_async(
-                backend, tokenizer, items, n_per_item=k, tool_client=client, grader=grader,
-                settings=settings, tools=tools, max_concurrent=max_concurrent,
-            )
+    with Progress(len(items) * k, f"{prefix} rollouts", log=log) as progress:
 
-    records = asyncio.run(go())
-    return summarize(records, prefix=prefix), records
+        async def go() -> list[RolloutRecord]:
+            async with tool_client:
+                return await run_rollouts_async(
+                    backend, tokenizer, items, n_per_item=k, tool_client=tool_client, grader=grader,
+                    settings=settings, tools=tools, max_concurrent=max_concurrent,
+                    progress=lambda done, _total: progress.set_done(done),
+                )
+
+        records = asyncio.run(go())
+    return summarize(records, prefix=prefix, groups=item_groups(items, group_by)), records

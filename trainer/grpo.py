@@ -6,63 +6,50 @@ One step of the algorithm:
    drawn from the training seed (a remainder smaller than a batch is left out of that
    epoch, so a batch never holds an item twice); the order and the position are part of
    every checkpoint.
-2. Run a group of `group_size` rollouts per item through the generation engine and the
+2. Run a group of `group_size` rollouts per item through the generation backend and the
    user's tools (trainer/rollout.py) at the rollout temperature. The sampling seed is
    derived from (training seed, step) and each sequence draws from its own generator,
    so a resumed run samples exactly what the uninterrupted one would have. A rollout's
-   reward is its grader score minus the configured penalties.
-3. Advantages within each group: A = r - mean(group), divided by the group's standard
-   deviation (+1e-6) when `scale_rewards` (GRPO), not divided otherwise (Dr. GRPO). Only
-   trainable rollouts enter the mean and the loss: an `infra_error` or a grader error is
-   no evidence about the policy, so it is left out and counted (`train/infra_error_rate`,
-   `train/grader_errors`). A group whose trainable rewards are all equal (or that has
-   fewer than two) carries no signal and is left out too
-   (`train/zero_variance_group_share`).
-4. `ppo_epochs` passes over those rollouts in shuffled micro-batches. The old policy is
-   the sampler: its log-probabilities come with the rollouts, computed at the sampling
-   temperature T, so the new ones are recomputed from logits / T. Per generated token
-   (prompts, chat markup and tool outputs are context, never targets):
-       ratio = exp(new - old)
-       loss  = -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A) + kl_coef * k3
-   averaged over all generated tokens of an optimizer update, on all processes together
-   (the token-level mean of DAPO: a long rollout is not down-weighted per token). k3 =
-   exp(ref - new) - (ref - new) - 1 estimates KL(new || ref) against a frozen copy of the
-   starting model (for LoRA: the base with adapters off). `train/kl` reports it, or, when
-   kl_coef is 0, the same estimator of KL(old || new): how far the update moved.
-5. AdamW, linear warmup then a constant/linear/cosine schedule over the steps, gradient
-   clipping. Each pass makes `mini_batches` optimizer updates (default 1: the whole
-   batch, as OpenAI's and TRL's defaults do), each accumulated over micro-batches of
-   `micro_batch_size` rollouts; `gradient_accumulation_steps` fixes the micro-batches per
-   update instead. (Eight updates a step at the same learning rate moved a tiny policy
-   eight times as far and off the rails in the TRL comparison.)
+   reward is its grader score minus the configured penalties. With `dynamic_sampling`,
+   groups whose rewards are all equal are dropped and fresh items are rolled out until
+   the batch is full again, at most `max_resample_batches` more rounds (DAPO).
+3. Advantages within each group (trainer/loss.py): only trainable rollouts enter; an
+   `infra_error`, a grader error or, with `mask_truncated`, a rollout whose turn was cut
+   is left out and counted.
+4. `ppo_epochs` passes over those rollouts in micro-batches of similar length. The old
+   policy is the trainer itself: with one pass `new.detach()`, with several one no-grad
+   forward before the first update. The sampler's log-probabilities only feed truncated
+   importance sampling (`tis_cap`) and the logged sampler-trainer mismatch
+   (`train/sampler_kl`, `train/sampler_diff_max`): an inference engine or bf16 kernels do
+   not sample with exactly the trainer's numbers. Log-probabilities are computed for the
+   completion span only (`logits_to_keep`) and `logprob_chunk_tokens` positions at a time.
+   The loss (`loss_type`, `epsilon`, `epsilon_high`, `kl_coef`) is in trainer/loss.py;
+   its token weights make an update's gradient the same whatever its micro-batches and
+   processes.
+5. AdamW, linear warmup reaching the full rate at `warmup_steps`, then a constant, linear
+   or cosine schedule; gradient clipping; `mini_batches` optimizer updates per pass.
 
 Evaluation runs before the first step, every `eval_interval` steps and after the last:
-one sample per held-out item (`eval_samples` items) at the rollout temperature, with the
-same seed every time, so two evaluations differ by the model and not by the dice. Sampled
-rather than greedy because that is how the policy is trained and how the baseline and
-regression stages measure it. The `keep_best_checkpoints` best models by eval score are
-saved as model directories (`best/step_N/`); the last one as `final/`.
+one sample per validation item (`eval_samples` items) at the rollout temperature, with the
+same seed every time, so two evaluations differ by the model and not by the dice. The
+`keep_best_checkpoints` best models by validation score are saved as model directories
+(`best/step_N/`); the last one as `final/`. The test split is never read here.
 
 Distribution: `Accelerator` owns the devices, mixed precision (bf16 on a GPU by default,
-over float32 master weights) and DDP or DeepSpeed ZeRO-1/2 (FSDP and ZeRO-3 are refused:
-each process samples with the whole model). Each process runs the rollouts of its share of
-the batch's items, so whole groups live on one process and their advantages need no
-communication; records are gathered for the metrics, DDP averages the gradients, and the
-generated-token count of each update is summed over processes so the mean stays
-token-level. Every process runs the same number of micro-batches (short ones are padded
-with empty ones) so no collective waits forever. Only the main process logs and writes.
+over float32 master weights) and DDP. FSDP and DeepSpeed are refused (each process samples
+with the whole model, and the trainer's per-update accumulation and clipping are its own).
+Each process runs the rollouts of its share of the batch's items, so whole groups live on
+one process; records are gathered for the metrics; every process runs the same number of
+micro-batches (short ones are padded with empty ones) so no collective waits forever. Only
+the main process logs and writes.
 
 Outputs under `output_dir`: `metrics.jsonl` (one row per step, step 0 being the evaluation
 before training; also sent to MLflow), `rollouts/step_N.jsonl` (the best and the worst
-rollout of the step's first groups, whole), `rollouts/eval_step_N.jsonl`, `checkpoints/`,
-`best/`, `final/`, `figures/` and `train_result.json`. Besides DESIGN.md's names the rows
-carry `train/rollouts_in_loss`, `train/updates`, `train/clip_fraction`, `train/entropy`
-(of the policy at its generated tokens) and `train/best_of_k_mean` (the groups' best
-score: it falls when the policy's entropy collapses); `timing/step_s` counts the rollouts,
-the update and the evaluation, not the checkpoint writing.
+rollout of the step's first groups, whole; also MLflow traces), `rollouts/eval_step_N.jsonl`,
+`checkpoints/`, `best/`, `final/`, `figures/` and `train_result.json`.
 
-    python -m trainer.train_cli --config configs/demo.yaml
-    accelerate launch --num_processes 2 -m trainer.train_cli --config configs/gpu.yaml
+    agentrft train --config job.yaml
+    accelerate launch --num_processes 2 -m trainer.train_cli --config job.yaml
 """
 
 from __future__ import annotations
@@ -70,23 +57,19 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import random
 import shutil
-import statistics
 import time
-from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer.bootstrap import read_items
 from trainer.checkpoint import (
     BestCheckpoints,
     latest_checkpoint,
@@ -95,11 +78,21 @@ from trainer.checkpoint import (
     save_model,
 )
 from trainer.config import PipelineConfig, resolved_hyperparameters
-from trainer.engine import TransformersBackend
-from trainer.errors import ConfigError, DataError
+from trainer.data import split_items
+from trainer.errors import ConfigError
 from trainer.evaluate import summarize
-from trainer.metrics import MetricsSink, plot_training, read_jsonl
-from trainer.policy import load_policy
+from trainer.loss import (
+    batch_advantages,
+    chunked_logprobs,
+    derived_seed,
+    lr_factor,
+    policy_loss,
+    token_weights,
+)
+from trainer.metrics import MetricsSink
+from trainer.plots import plot_training
+from trainer.policy import load_policy, local_model_path
+from trainer.progress import Progress
 from trainer.rollout import (
     RolloutRecord,
     RolloutSettings,
@@ -108,19 +101,9 @@ from trainer.rollout import (
 )
 from trainer.tools import ToolClient, ToolEndpoint
 
-ADVANTAGE_EPS = 1e-6
 KEPT_GROUPS = 4  # groups per step whose best and worst rollouts are written out whole
 # Names of the stats summed over micro-batches (and processes) in one step.
-_STATS = ("loss", "kl", "clipped", "entropy", "tokens")
-
-
-# --- the pieces, each testable alone ----------------------------------------------------
-
-
-def derived_seed(seed: int, purpose: str, step: int = 0) -> int:
-    """A seed for one purpose at one step, a pure function of its arguments."""
-    digest = hashlib.sha256(f"{seed}:{purpose}:{step}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
+_STATS = ("loss", "kl", "clipped", "entropy", "tokens", "sampler_kl", "tis_capped")
 
 
 class DataOrder:
@@ -152,117 +135,40 @@ class DataOrder:
         return epoch, start + self.batch_size, self.order(epoch)[start : start + self.batch_size]
 
 
-def group_advantages(rewards: Sequence[float | None], *, scale: bool) -> list[float | None] | None:
-    """Advantages of one group's rollouts, None where a rollout has no reward (it is left
-    out of the mean and of the loss). None for the whole group when it carries no signal:
-    fewer than two rewards, or all of them equal."""
-    present = [r for r in rewards if r is not None]
-    if len(present) < 2 or max(present) - min(present) < 1e-9:
-        return None
-    mean = sum(present) / len(present)
-    # The sample standard deviation, as TRL's GRPOTrainer uses.
-    denominator = statistics.stdev(present) + ADVANTAGE_EPS if scale else 1.0
-    return [None if r is None else (r - mean) / denominator for r in rewards]
+def in_loss(record: RolloutRecord, *, mask_truncated: bool) -> bool:
+    """Whether a rollout's reward enters its group's advantages and the loss."""
+    return record.trainable and not (mask_truncated and record.truncated)
 
 
-def batch_advantages(
-    records: Sequence[RolloutRecord], group_size: int, *, scale: bool
-) -> tuple[list[float | None], int]:
-    """Advantages of consecutive groups of `group_size` records (None: not in the loss)
-    and the number of groups that carry no signal."""
-    advantages: list[float | None] = []
-    silent = 0
-    for start in range(0, len(records), group_size):
-        group = records[start : start + group_size]
-        group_adv = group_advantages([r.reward if r.trainable else None for r in group], scale=scale)
-        if group_adv is None:
-            silent += 1
-            group_adv = [None] * len(group)
-        advantages.extend(group_adv)
-    return advantages, silent
-
-
-def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str) -> float:
-    """Multiplier of the learning rate at the 1-based `step`: linear warmup over
-    `warmup_steps`, then constant, or a linear or cosine decay towards 0 at the end."""
-    if step <= warmup_steps:
-        return step / (warmup_steps + 1)
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps - 1) / max(1, total_steps - warmup_steps)
-    if schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(token t+1 | tokens <= t) under softmax(logits / temperature), shape
-    [batch, len - 1]; the full log-softmax over the vocabulary is never materialised."""
-    scaled = logits[:, :-1].float() / temperature
-    picked = scaled.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(scaled, dim=-1)
-
-
-def policy_loss(
-    new: torch.Tensor,
-    old: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_eps: float,
-    kl_coef: float = 0.0,
-    ref: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped policy-gradient loss (plus kl_coef * k3 against `ref`) summed over the
-    tokens where `mask` is True, and the sums of the step's statistics. `new`, `old`,
-    `ref` and `mask` are [batch, len - 1] (position t scores token t + 1); `advantages`
-    is [batch]. Masked-out positions take no part, not even as a 0 * NaN."""
-    log_ratio = torch.where(mask, (new - old).clamp(-20.0, 20.0), 0.0)
-    ratio = log_ratio.exp()
-    unclipped = ratio * advantages[:, None]
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages[:, None]
-    per_token = -torch.minimum(unclipped, clipped)
-    if ref is not None:
-        ref_log_ratio = torch.where(mask, (ref - new).clamp(-20.0, 20.0), 0.0)
-        kl = ref_log_ratio.exp() - ref_log_ratio - 1
-        per_token = per_token + kl_coef * kl
-    else:
-        kl = ratio - 1 - log_ratio
-    loss_sum = torch.where(mask, per_token, 0.0).sum()
-    zero = torch.zeros((), device=new.device)
-    stats = {
-        "loss": loss_sum.detach(),
-        "kl": torch.where(mask, kl.detach(), zero).sum(),
-        "clipped": (mask & (clipped < unclipped)).sum().float(),
-        "tokens": mask.sum().float(),
-    }
-    return loss_sum, stats
-
-
-def _without_tokens(record: RolloutRecord) -> RolloutRecord:
-    """The record as gathered across processes: the token arrays stay where they are used."""
-    return dataclasses.replace(record, token_ids=[], gen_mask=[], logprobs=[])
-
-
-def _read(path: str, limit: int | None, key: str) -> list[dict[str, Any]]:
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(f"{key}: {file} does not exist; generate the data (agentrft data generate) or fix the path")
-    items = read_items(file, limit)
-    if not items:
-        raise DataError(f"{key}: {file} holds no items")
-    return items
+def fill_batch(
+    sample: Any, first: list[Any], *, group_size: int, want_groups: int, max_rounds: int, mask_truncated: bool
+) -> tuple[list[RolloutRecord], int, int]:
+    """Dynamic sampling: keep the groups of `first` (records, `group_size` a group) whose
+    rewards vary and call `sample(round)` for fresh groups until `want_groups` are kept or
+    `max_rounds` extra rounds ran. Returns the kept records, the extra rounds and the
+    groups dropped."""
+    kept: list[RolloutRecord] = []
+    dropped, rounds, records = 0, 0, first
+    while True:
+        for start in range(0, len(records), group_size):
+            group = records[start : start + group_size]
+            rewards = [r.reward for r in group if in_loss(r, mask_truncated=mask_truncated)]
+            if len(kept) // group_size < want_groups and len(rewards) > 1 and max(rewards) - min(rewards) > 1e-9:
+                kept += group
+            else:
+                dropped += 1
+        if len(kept) // group_size >= want_groups or rounds >= max_rounds:
+            return kept, rounds, dropped
+        rounds += 1
+        records = sample(rounds)
 
 
 @dataclass
 class TrainResult:
     model_dir: Path | None  # the final model (None when the run stopped before its end)
-    best_checkpoints: list[tuple[int, float, Path]]  # (step, eval score, model dir), best first
+    best_checkpoints: list[tuple[int, float, Path]]  # (step, validation score, model dir), best first
     metrics: dict[str, float]  # the last step's metrics
     steps: int  # steps done, in this and earlier sessions
-
-
-# --- the recipe -------------------------------------------------------------------------
 
 
 class GRPOTrainer:
@@ -284,7 +190,7 @@ class GRPOTrainer:
         self.output_dir = Path(output_dir)
         self.mlflow_run_id = mlflow_run_id
         self.resume = resume
-        self.endpoints = list(endpoints) if endpoints is not None else None
+        self.endpoints = list(endpoints if endpoints is not None else config.tools.endpoints)
         self.settings = RolloutSettings.from_config(config.rollout, config.penalties)
         # The engine's logprobs are at T = 1 when it decodes greedily.
         self.temperature = config.rollout.temperature or 1.0
@@ -296,13 +202,11 @@ class GRPOTrainer:
         from accelerate import Accelerator
         from accelerate.utils import DistributedType, set_seed
 
-        training = self.config.training
+        training, data = self.config.training, self.config.data
         mixed = training.mixed_precision
         if mixed == "auto":
             mixed = "bf16" if torch.cuda.is_available() else "no"
-        self.accelerator = acc = Accelerator(
-            mixed_precision=mixed, gradient_accumulation_steps=training.gradient_accumulation_steps or 1
-        )
+        self.accelerator = acc = Accelerator(mixed_precision=mixed)
         self.is_main = acc.is_main_process  # this process logs, saves and draws
         set_seed(training.seed)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -310,26 +214,25 @@ class GRPOTrainer:
             raise ConfigError(
                 f"started as one of {launched} processes (WORLD_SIZE) but Accelerate runs this one alone, "
                 "so they would overwrite each other's outputs; on a machine without a GPU set "
-                "ACCELERATE_USE_CPU=true, or start `python -m trainer.train_cli` and let it launch them"
+                "ACCELERATE_USE_CPU=true, or start `agentrft train` and let it launch them"
             )
-        sharded = acc.distributed_type == DistributedType.FSDP or (
-            acc.distributed_type == DistributedType.DEEPSPEED and acc.state.deepspeed_plugin.zero_stage == 3
-        )
-        if sharded:
+        if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
             raise ConfigError(
-                "training.accelerate_config: FSDP and DeepSpeed ZeRO-3 shard the weights, but every process "
-                "samples its rollouts with the whole model; use DDP or DeepSpeed ZeRO-1/2 (with LoRA for "
-                "models that do not fit otherwise)"
+                f"training.accelerate_config: {acc.distributed_type.value} is not supported: every process "
+                "samples its rollouts with the whole model, and the trainer accumulates and clips each update "
+                "itself, which DeepSpeed's engine would override; use DDP (`accelerate config` -> multi-GPU) "
+                "with training.lora for models that do not fit otherwise"
             )
-
+        if not self.endpoints:
+            raise ConfigError("tools.endpoints is empty: declare the endpoint of every tool the model may call")
         for name in ("n_epochs", "batch_size", "eval_interval"):
             if self.hp[name] < 1:
                 raise ConfigError(f"training.{name} must be at least 1 (or 'auto'), got {self.hp[name]}")
-        self.train_items = _read(self.config.data.train_file, self.config.data.max_train_items, "data.train_file")
-        eval_items = _read(self.config.data.eval_file, self.config.data.max_eval_items, "data.eval_file")
-        self.eval_items = eval_items[: self.hp["eval_samples"]]
-        for items, file in ((self.train_items, self.config.data.train_file), (eval_items, self.config.data.eval_file)):
-            check_tool_call_costs(self.settings.tool_call_costs, items, file)
+        self.train_items = split_items(data, "train")
+        validation = split_items(data, "validation")
+        self.eval_items = validation[: self.hp["eval_samples"]]
+        for items, file in ((self.train_items, data.train_file), (validation, data.validation_file)):
+            check_tool_call_costs(self.settings.tool_call_costs, items, file, self.config.tools.schemas)
         batch_size = self.hp["batch_size"]
         if batch_size % acc.num_processes:
             raise ConfigError(
@@ -340,7 +243,7 @@ class GRPOTrainer:
         if self.data.steps_per_epoch == 0:
             raise ConfigError(
                 f"training.batch_size ({batch_size}) exceeds the {len(self.train_items)} training items "
-                f"of {self.config.data.train_file}; lower it or add items"
+                f"of {data.train_file}; lower it or add items"
             )
         self.total_steps = self.hp["n_epochs"] * self.data.steps_per_epoch
         if training.max_steps:
@@ -348,7 +251,8 @@ class GRPOTrainer:
 
         # float32 master weights unless the config names a dtype: mixed precision casts.
         dtype = "float32" if self.config.model.dtype == "auto" else self.config.model.dtype
-        policy = load_policy(self.model_path, device=str(acc.device), dtype=dtype)
+        local = local_model_path(self.model_path, tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
+        policy = load_policy(local, device=str(acc.device), dtype=dtype)
         self.tokenizer = policy.tokenizer
         self.stop_token_ids = policy.stop_token_ids
         model = policy.model
@@ -378,9 +282,9 @@ class GRPOTrainer:
             weight_decay=training.weight_decay,
         )
         self.model, self.optimizer = acc.prepare(model, optimizer)
+        from trainer.backends import make_generator
 
-        if self.endpoints is None:
-            self.endpoints = self._start_tools()
+        self.generator = self._exit.enter_context(make_generator(self.config, self, self.output_dir))
 
         self.checkpoints_dir = self.output_dir / "checkpoints"
         self.rollouts_dir = self.output_dir / "rollouts"
@@ -394,7 +298,8 @@ class GRPOTrainer:
             # The process that made the run may have pointed MLflow elsewhere than the config.
             tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or self.config.mlflow.tracking_uri
             self.sink = MetricsSink(
-                self.output_dir / "metrics.jsonl", run_id=self.mlflow_run_id, tracking_uri=tracking_uri
+                self.output_dir / "metrics.jsonl", run_id=self.mlflow_run_id, tracking_uri=tracking_uri,
+                unavailable_timeout_s=self.config.mlflow.unavailable_timeout_s,
             )
         latest = latest_checkpoint(self.checkpoints_dir)
         if self.resume and latest is not None:
@@ -408,22 +313,6 @@ class GRPOTrainer:
             if self.resume:
                 print(f"no checkpoint in {self.checkpoints_dir}: starting from step 0")
             self.sink.rewrite([])
-
-    def _start_tools(self) -> list[ToolEndpoint]:
-        tools = self.config.tools
-        if tools.endpoints:
-            return list(tools.endpoints)
-        if not tools.demo_server:
-            raise ConfigError("tools.endpoints is empty and tools.demo_server is false: declare the tool endpoints")
-        from envs.finqa.local import local_tool_endpoints
-
-        # Each process serves its own copy; a fixed port can only be bound once.
-        port = tools.demo_server_port if self.accelerator.num_processes == 1 else 0
-        return self._exit.enter_context(
-            local_tool_endpoints(
-                Path(self.config.data.corpus_dir), port=port, max_output_chars=tools.max_output_chars
-            )
-        )
 
     def _fingerprint(self) -> dict[str, Any]:
         """What must not change between a checkpoint and its resumption."""
@@ -457,22 +346,23 @@ class GRPOTrainer:
             for stale in self.best.stale_dirs():
                 shutil.rmtree(stale)
             print(f"resumed from {path} at step {self.step}")
+        self.generator.sync(self.step)
 
     # -- the loop ----------------------------------------------------------------------
 
     def train(self, *, stop_after: int | None = None) -> TrainResult:
         """Run to the last step, or only up to step `stop_after` (then checkpoint)."""
-        from tqdm.auto import tqdm
-
         training = self.config.training
         last = self.total_steps if stop_after is None else min(self.total_steps, stop_after)
         if self.step == 0 and self.eval_items:
             self._log(0, self._evaluate(0))  # the starting model, at the same settings
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="GRPO", unit="step", disable=not self.is_main)
+        progress = Progress(self.total_steps, "GRPO", unit="steps", log=print if self.is_main else _quiet)
+        progress.done = self.step
         while self.step < last:
             step = self.step + 1
             started = time.perf_counter()
             metrics = self._train_step(step)
+            self.generator.sync(step)
             evaluate = bool(self.eval_items) and (step % self.hp["eval_interval"] == 0 or step == self.total_steps)
             metrics.update(self._evaluate(step) if evaluate else {"timing/eval_s": 0.0})
             metrics["timing/step_s"] = time.perf_counter() - started
@@ -480,13 +370,9 @@ class GRPOTrainer:
             self._log(step, metrics)
             if step % training.checkpoint_interval == 0 or step == last:
                 self._checkpoint()
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{metrics['train/reward_mean']:.3f}",
-                tools=f"{metrics['train/tool_calls_mean']:.2f}",
-                s_step=f"{metrics['timing/step_s']:.1f}",
-            )
-        bar.close()
+            progress.update(1, f"reward {metrics['train/reward_mean']:.3f}, tool calls "
+                               f"{metrics['train/tool_calls_mean']:.2f}, {metrics['timing/step_s']:.1f} s/step")
+        progress.close()
         model_dir = self._finish() if self.step == self.total_steps else None
         return TrainResult(
             model_dir=model_dir,
@@ -499,17 +385,32 @@ class GRPOTrainer:
         from accelerate.utils import gather_object
 
         acc, training = self.accelerator, self.config.training
-        group_size = self.hp["group_size"]
+        group_size, mask_truncated = self.hp["group_size"], training.mask_truncated
         epoch, position, indices = self.data.batch(step)
         self._data_state = (epoch, position)
         share = len(indices) // acc.num_processes
         mine = [self.train_items[i] for i in indices[acc.process_index * share : (acc.process_index + 1) * share]]
 
         started = time.perf_counter()
-        records = self._rollouts(mine, group_size, derived_seed(training.seed, "rollout", step))
-        sampling_s = time.perf_counter() - started
+        records = self._rollouts(mine, group_size, derived_seed(training.seed, "rollout", step), step)
+        resampled = dropped = 0
+        sampled = list(records)
+        if training.dynamic_sampling:
 
-        advantages, silent_groups = batch_advantages(records, group_size, scale=training.scale_rewards)
+            def sample(round_: int) -> list[RolloutRecord]:
+                rng = random.Random(derived_seed(training.seed, f"resample:{round_}", step))
+                fresh = rng.sample(self.train_items, min(len(mine), len(self.train_items)))
+                new = self._rollouts(fresh, group_size, derived_seed(training.seed, f"resample:{round_}", step), step)
+                sampled.extend(new)
+                return new
+
+            records, resampled, dropped = fill_batch(
+                sample, records, group_size=group_size, want_groups=len(mine),
+                max_rounds=training.max_resample_batches, mask_truncated=mask_truncated,
+            )
+        sampling_s = time.perf_counter() - started
+        rewards = [r.reward if in_loss(r, mask_truncated=mask_truncated) else None for r in records]
+        advantages, silent_groups = batch_advantages(rewards, group_size, scale_rewards=training.scale_rewards)
 
         started = time.perf_counter()
         lr = self.hp["learning_rate"] * lr_factor(
@@ -521,12 +422,11 @@ class GRPOTrainer:
         training_s = time.perf_counter() - started
 
         gathered = gather_object([(_without_tokens(r), a) for r, a in zip(records, advantages, strict=True)])
-        silent_total = sum(gather_object([silent_groups]))
-        timings = gather_object([(sampling_s, training_s)])
-        everything = [r for r, _ in gathered]
+        everything = gather_object([_without_tokens(r) for r in sampled])
+        counts = gather_object([(silent_groups, resampled, dropped, sampling_s, training_s)])
         # The slowest process sets the pace of a step.
-        sampling_s = max(t[0] for t in timings)
-        training_s = max(t[1] for t in timings)
+        sampling_s = max(c[3] for c in counts)
+        training_s = max(c[4] for c in counts)
         metrics = summarize(everything, prefix="train").metrics
         metrics.update(update)
         metrics.update(
@@ -534,7 +434,9 @@ class GRPOTrainer:
                 "train/rollouts_per_s": len(everything) / max(sampling_s, 1e-9),
                 "train/tokens_per_s": sum(r.tokens_generated for r in everything) / max(sampling_s, 1e-9),
                 "train/grader_errors": float(sum(1 for r in everything if r.grader_errors)),
-                "train/zero_variance_group_share": silent_total / max(1, len(everything) // group_size),
+                "train/zero_variance_group_share": sum(c[0] for c in counts) / max(1, len(gathered) // group_size),
+                "train/resample_rounds": float(max(c[1] for c in counts)),
+                "train/dropped_groups": float(sum(c[2] for c in counts)),
                 "train/rollouts_in_loss": float(sum(1 for _, a in gathered if a is not None)),
                 "train/lr": lr,
                 "timing/sampling_s": sampling_s,
@@ -545,43 +447,21 @@ class GRPOTrainer:
             self._keep_rollouts(step, gathered)
         return metrics
 
-    def _rollouts(self, items: list[dict[str, Any]], n: int, seed: int) -> list[RolloutRecord]:
+    def _rollouts(self, items: list[dict[str, Any]], n: int, seed: int, step: int) -> list[RolloutRecord]:
         """`n` rollouts of each item with the current weights, through the real tools."""
         if not items:
             return []
         rollout, tools = self.config.rollout, self.config.tools
         model = self.accelerator.unwrap_model(self.model)
         model.eval()  # no dropout while sampling; the engine refuses a training model
-        # A fresh engine each time: a cache filled before an update would be stale after it.
-        backend = TransformersBackend(
-            model,
-            stop_token_ids=self.stop_token_ids,
-            max_slots=rollout.max_concurrent_rollouts,
-            max_len=rollout.max_total_tokens,
-            seed=seed,
-        )
+        backend = self.generator.backend(seed)
 
         async def run() -> list[RolloutRecord]:
-            async with ToolClient(
-                self.endpoints,
-                tools.schemas,
-                timeout_s=tools.timeout_s,
-                max_retries=tools.max_retries,
-                max_output_chars=tools.max_output_chars,
-                max_concurrency_per_endpoint=tools.max_concurrency_per_endpoint,
-                allowed_hosts=tools.allowed_hosts,
-                seed=seed,
-            ) as client:
+            async with ToolClient.from_config(tools, self.endpoints, seed=seed) as client:
                 return await run_rollouts_async(
-                    backend,
-                    self.tokenizer,
-                    items,
-                    n_per_item=n,
-                    tool_client=client,
-                    grader=self.config.grader,
-                    settings=self.settings,
-                    tools=tools.schemas,
-                    max_concurrent=rollout.max_concurrent_rollouts,
+                    backend, self.tokenizer, items, n_per_item=n, tool_client=client, grader=self.config.grader,
+                    settings=self.settings, tools=tools.schemas, max_concurrent=rollout.max_concurrent_rollouts,
+                    policy_version=step,
                 )
 
         try:
@@ -595,91 +475,133 @@ class GRPOTrainer:
         acc, training = self.accelerator, self.config.training
         chosen = [(r, a) for r, a in zip(records, advantages, strict=True) if a is not None]
         sums = torch.zeros(len(_STATS), device=acc.device)
+        sampler_diff_max = torch.zeros((), device=acc.device)
         norms: list[float] = []
+        old: dict[int, torch.Tensor] = {}
+        if training.ppo_epochs > 1:  # the policy before this step's updates, once
+            with torch.no_grad():
+                for batch in self._micro_batches(list(enumerate(chosen))):
+                    for index, logprobs in zip([i for i, _ in batch], self._logprobs(batch)[0], strict=True):
+                        old[index] = logprobs
         for ppo_epoch in range(training.ppo_epochs):
-            order = list(chosen)
+            order = list(enumerate(chosen))
             random.Random(derived_seed(training.seed, f"ppo:{ppo_epoch}", step)).shuffle(order)
-            micro = [order[i : i + training.micro_batch_size] for i in range(0, len(order), training.micro_batch_size)]
-            # Every process runs the same number of micro-batches, whole updates of them.
-            most = int(acc.gather(torch.tensor([len(micro)], device=acc.device)).max())
-            if most == 0:
+            per_update = math.ceil(len(order) / training.mini_batches) if order else 0
+            updates = [order[i : i + per_update] for i in range(0, len(order), per_update)] if order else []
+            # Every process runs the same number of updates and micro-batches in each.
+            n_updates = int(acc.gather(torch.tensor([len(updates)], device=acc.device)).max())
+            if n_updates == 0:
                 break  # no group varies on any process: nothing to learn from this batch
-            # micro-batches per optimiser update: the pass split into `mini_batches` updates
-            accumulation = training.gradient_accumulation_steps or math.ceil(most / training.mini_batches)
-            n_micro = math.ceil(most / accumulation) * accumulation
-            acc.gradient_accumulation_steps = accumulation
-            acc.step = 0  # accumulate() counts micro-batches from here
-            micro += [[] for _ in range(n_micro - len(micro))]
-            tokens = torch.tensor(
-                [float(sum(sum(r.gen_mask[1:]) for r, _ in batch)) for batch in micro], device=acc.device
-            )
-            # Generated tokens of each update, over all processes: the loss's denominator.
-            per_update = acc.gather(tokens).view(acc.num_processes, -1).sum(0).view(-1, accumulation).sum(1).tolist()
-            for index, batch in enumerate(micro):
-                with acc.accumulate(self.model):
-                    loss_sum, stats = self._micro_batch_loss(batch)
-                    # DDP averages over processes and accumulate() divides by the number of
-                    # micro-batches: undo both, so the update's gradient is sum / tokens.
-                    scale = acc.num_processes * accumulation / max(per_update[index // accumulation], 1.0)
-                    acc.backward(loss_sum * scale)
-                    if acc.sync_gradients:
-                        norm = acc.clip_grad_norm_(self.model.parameters(), training.max_grad_norm)
-                        norms.append(float(norm) if norm is not None else float("nan"))
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                sums += stats
+            updates += [[] for _ in range(n_updates - len(updates))]
+            for rows in updates:
+                micro = self._micro_batches(rows)
+                n_micro = int(acc.gather(torch.tensor([len(micro)], device=acc.device)).max())
+                micro += [[] for _ in range(n_micro - len(micro))]
+                totals = acc.gather(torch.tensor([
+                    float(sum(sum(r.gen_mask) for _, (r, _) in rows)), float(len(rows))], device=acc.device))
+                totals = totals.view(acc.num_processes, 2).sum(0).tolist()
+                for index, batch in enumerate(micro):
+                    # Gradients add up locally; DDP averages them over processes once, at the
+                    # update's last micro-batch, so the loss is scaled by the process count.
+                    sync = index == len(micro) - 1
+                    with nullcontext() if sync else acc.no_sync(self.model):
+                        loss, stats = self._micro_batch_loss(batch, old, update_tokens=totals[0],
+                                                             update_rollouts=totals[1])
+                        acc.backward(loss * acc.num_processes)
+                    sums += torch.stack([stats.get(name, torch.zeros((), device=acc.device)) for name in _STATS])
+                    sampler_diff_max = torch.maximum(sampler_diff_max, stats.get("sampler_diff_max", sampler_diff_max))
+                norm = acc.clip_grad_norm_(self.model.parameters(), training.max_grad_norm)
+                norms.append(float(norm) if norm is not None else float("nan"))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         totals = dict(zip(_STATS, acc.reduce(sums, reduction="sum").tolist(), strict=True))
         tokens = max(totals["tokens"], 1.0)
         return {
-            "train/loss": totals["loss"] / tokens,
+            "train/loss": totals["loss"] / max(len(norms), 1),
             "train/kl": totals["kl"] / tokens,
             "train/clip_fraction": totals["clipped"] / tokens,
             "train/entropy": totals["entropy"] / tokens,
+            "train/sampler_kl": totals["sampler_kl"] / tokens,
+            "train/sampler_diff_max": float(acc.reduce(sampler_diff_max, reduction="max") if acc.num_processes > 1
+                                            else sampler_diff_max),
+            "train/tis_capped_share": totals["tis_capped"] / tokens,
             "train/grad_norm": sum(norms) / len(norms) if norms else 0.0,
             "train/updates": float(len(norms)),
         }
 
-    def _micro_batch_loss(self, batch: list[tuple[RolloutRecord, float]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss sum of a micro-batch (right-padded) and its stats in `_STATS` order. An
-        empty batch is a two-token dummy that contributes nothing but keeps DDP in step."""
-        device, training = self.accelerator.device, self.config.training
-        pad = self.tokenizer.pad_token_id
-        rows = [(r.token_ids, r.gen_mask, r.logprobs, a) for r, a in batch] or [([pad, pad], [0, 0], [0.0, 0.0], 0.0)]
-        width = max(len(ids) for ids, *_ in rows)
-        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        generated = torch.zeros((len(rows), width), dtype=torch.bool)
-        old = torch.zeros((len(rows), width))
-        for b, (ids, gen_mask, logprobs, _) in enumerate(rows):
+    def _micro_batches(self, rows: list[tuple[int, tuple[RolloutRecord, float]]]) -> list[list[Any]]:
+        """Micro-batches of `micro_batch_size` rollouts of similar length (sorted: less
+        padding, and the update's gradient is a sum, so the grouping does not change it)."""
+        ordered = sorted(rows, key=lambda row: len(row[1][0].token_ids))
+        size = self.config.training.micro_batch_size
+        return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+    def _logprobs(self, batch: list[tuple[int, tuple[RolloutRecord, float]]], *, model: Any = None,
+                  entropy: bool = False) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """Per rollout of the micro-batch, the log-probabilities of its tokens 1..n under
+        `model` (default the policy), each [n - 1], with the tensors of the batch."""
+        device, pad = self.accelerator.device, self.tokenizer.pad_token_id
+        rows = [record for _, (record, _) in batch] or None
+        ids_rows = [r.token_ids for r in rows] if rows else [[pad, pad]]
+        masks = [r.gen_mask for r in rows] if rows else [[0, 0]]
+        width = max(len(ids) for ids in ids_rows)
+        input_ids = torch.full((len(ids_rows), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(ids_rows), width), dtype=torch.long)
+        generated = torch.zeros((len(ids_rows), width), dtype=torch.bool)
+        for b, (ids, gen_mask) in enumerate(zip(ids_rows, masks, strict=True)):
             input_ids[b, : len(ids)] = torch.tensor(ids)
             attention[b, : len(ids)] = 1
             generated[b, : len(ids)] = torch.tensor(gen_mask, dtype=torch.bool)
-            old[b, : len(ids)] = torch.tensor(logprobs)
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        mask, old = generated[:, 1:].to(device), old[:, 1:].to(device)
-        advantages = torch.tensor([row[3] for row in rows], device=device)
+        input_ids, attention, generated = input_ids.to(device), attention.to(device), generated.to(device)
+        # Logits only from the first generated token's predecessor on: the prompt is context.
+        first = int(generated.float().argmax(-1).clamp(min=1).min()) if generated.any() else width - 1
+        keep = width - first + 1
+        forward = model or self.model
+        logits = forward(input_ids=input_ids, attention_mask=attention, use_cache=False, logits_to_keep=keep).logits
+        targets = input_ids[:, first:]
+        mask = generated[:, first:]
+        logprobs, ent = chunked_logprobs(logits[:, :-1], targets, self.temperature,
+                                         chunk=self.config.training.logprob_chunk_tokens, with_entropy=entropy,
+                                         mask=mask)
+        tensors = {"mask": mask, "first": torch.tensor(first), "entropy": ent, "input_ids": input_ids,
+                   "attention": attention}
+        return [logprobs[b] for b in range(logprobs.size(0))], tensors
 
-        logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-        new = token_logprobs(logits, input_ids, self.temperature)
-        ref = self._reference_logprobs(input_ids, attention) if training.kl_coef > 0 else None
-        loss_sum, stats = policy_loss(
-            new, old, advantages, mask, clip_eps=training.clip_eps, kl_coef=training.kl_coef, ref=ref
+    def _micro_batch_loss(
+        self, batch: list[tuple[int, tuple[RolloutRecord, float]]], old: dict[int, torch.Tensor], *,
+        update_tokens: float, update_rollouts: float,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The update's loss share of a micro-batch and its stats. An empty batch is a
+        two-token dummy that contributes nothing but keeps DDP in step."""
+        device, training = self.accelerator.device, self.config.training
+        per_row, tensors = self._logprobs(batch, entropy=True)
+        new = torch.stack(per_row)
+        mask, first = tensors["mask"], int(tensors["first"])
+        old_t = torch.stack([old[i] for i, _ in batch]) if old and batch else new.detach()
+        sampler = torch.zeros_like(new)
+        for b, (_, (record, _)) in enumerate(batch):
+            values = torch.tensor(record.logprobs[first:], device=device)
+            sampler[b, : len(values)] = values
+        advantages = torch.tensor([a for _, (_, a) in batch] or [0.0], device=device)
+        ref = None
+        if training.kl_coef > 0:
+            ref = torch.stack(self._reference_logprobs(batch))
+        weights = token_weights(mask, loss_type=training.loss_type, update_tokens=update_tokens,
+                                update_rollouts=update_rollouts, max_tokens=self.config.rollout.max_total_tokens)
+        loss, stats = policy_loss(
+            new, old_t, advantages, mask, weights, epsilon=training.epsilon, epsilon_high=training.epsilon_high,
+            loss_type=training.loss_type, sampler=sampler, tis_cap=training.tis_cap, kl_coef=training.kl_coef, ref=ref,
         )
-        with torch.no_grad():
-            picked = logits[:, :-1][mask].float() / self.temperature
-            entropy = (torch.logsumexp(picked, -1) - (picked.softmax(-1) * picked).sum(-1)).sum()
-        stats["entropy"] = entropy
-        return loss_sum, torch.stack([stats[name] for name in _STATS])
+        stats["entropy"] = tensors["entropy"]
+        return loss, stats
 
-    def _reference_logprobs(self, input_ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    def _reference_logprobs(self, batch: list[Any]) -> list[torch.Tensor]:
         with torch.no_grad(), self.accelerator.autocast():
             if self.reference is not None:
-                logits = self.reference(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-            else:  # LoRA: the base model under the adapters is the reference
-                peft_model = self.accelerator.unwrap_model(self.model)
-                with peft_model.disable_adapter():
-                    logits = peft_model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-        return token_logprobs(logits, input_ids, self.temperature)
+                return self._logprobs(batch, model=self.reference)[0]
+            peft_model = self.accelerator.unwrap_model(self.model)  # LoRA: the base under the adapters
+            with peft_model.disable_adapter():
+                return self._logprobs(batch, model=peft_model)[0]
 
     # -- evaluation, records, checkpoints ----------------------------------------------
 
@@ -691,13 +613,13 @@ class GRPOTrainer:
         share = math.ceil(len(self.eval_items) / acc.num_processes)
         mine = self.eval_items[acc.process_index * share : (acc.process_index + 1) * share]
         # The same seed at every evaluation: the differences are the model's.
-        records = self._rollouts(mine, 1, derived_seed(self.config.training.seed, "eval"))
+        records = self._rollouts(mine, 1, derived_seed(self.config.training.seed, "eval"), step)
         everything = gather_object([_without_tokens(r) for r in records])
         metrics = summarize(everything, prefix="eval").metrics
         if self.is_main:
-            with (self.rollouts_dir / f"eval_step_{step}.jsonl").open("w") as handle:
-                for record in everything:
-                    handle.write(json.dumps(record.to_json()) + "\n")
+            path = self.rollouts_dir / f"eval_step_{step}.jsonl"
+            path.write_text("".join(json.dumps(r.to_json()) + "\n" for r in everything))
+            self.sink.log_traces(everything[: self.config.mlflow.traces_per_evaluation], step=step, kind="eval")
         score = metrics["eval/score_mean"]
         if step > 0 and self.best.admits(score):
             path, evicted = self.best.add(step, score)
@@ -707,28 +629,25 @@ class GRPOTrainer:
                     shutil.rmtree(old, ignore_errors=True)
         metrics["timing/eval_s"] = time.perf_counter() - started
         if self.is_main:
-            from tqdm.auto import tqdm
-
-            tqdm.write(
-                f"step {step}: eval score {score:.3f}, reward {metrics['eval/reward_mean']:.3f}, "
-                f"tool calls {metrics['eval/tool_calls_mean']:.2f}, tokens {metrics['eval/tokens_mean']:.0f}"
-            )
+            print(f"step {step}: validation score {score:.3f}, reward {metrics['eval/reward_mean']:.3f}, "
+                  f"tool calls {metrics['eval/tool_calls_mean']:.2f}, tokens {metrics['eval/tokens_mean']:.0f}",
+                  flush=True)
         return metrics
 
     def _keep_rollouts(self, step: int, gathered: list[tuple[RolloutRecord, float | None]]) -> None:
-        """Write the best and the worst rollout of the step's first groups, whole."""
+        """Write the best and the worst rollout of the step's first groups, whole, and
+        log them as MLflow traces."""
         group_size = self.hp["group_size"]
-        rows = []
+        rows, kept = [], []
         for start in range(0, min(len(gathered), KEPT_GROUPS * group_size), group_size):
             group = gathered[start : start + group_size]
             scored = [pair for pair in group if pair[0].reward is not None] or group
             ranked = sorted(scored, key=lambda pair: pair[0].reward if pair[0].reward is not None else -math.inf)
-            kept = [("best", ranked[-1])] + ([("worst", ranked[0])] if len(ranked) > 1 else [])
-            for kind, (record, advantage) in kept:
+            for kind, (record, advantage) in [("best", ranked[-1])] + ([("worst", ranked[0])] if len(ranked) > 1 else []):
                 rows.append({"step": step, "kept_as": kind, "advantage": advantage, **record.to_json()})
-        with (self.rollouts_dir / f"step_{step}.jsonl").open("w") as handle:
-            for row in rows:
-                handle.write(json.dumps(row) + "\n")
+                kept.append(record)
+        (self.rollouts_dir / f"step_{step}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        self.sink.log_traces(kept[: self.config.mlflow.traces_per_evaluation], step=step, kind="train")
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: (float(v) if math.isfinite(v) else None) for k, v in metrics.items()}}
@@ -750,14 +669,16 @@ class GRPOTrainer:
 
     def _finish(self) -> Path:
         """Save the final model, draw the figures and hand the artifacts to MLflow."""
+        from trainer.data import read_jsonl
+
         final = self.output_dir / "final"
         save_model(self.accelerator, self.model, self.tokenizer, final)
         if self.is_main:
             figures = self.output_dir / "figures"
             plot_training(
                 self.history,
-                read_jsonl(self.rollouts_dir / "eval_step_0.jsonl"),
-                read_jsonl(self.rollouts_dir / f"eval_step_{self.step}.jsonl"),
+                read_jsonl(self.rollouts_dir / "eval_step_0.jsonl", missing_ok=True),
+                read_jsonl(self.rollouts_dir / f"eval_step_{self.step}.jsonl", missing_ok=True),
                 figures,
             )
             summary = {
@@ -777,6 +698,15 @@ class GRPOTrainer:
             self.accelerator.end_training()
 
 
+def _without_tokens(record: RolloutRecord) -> RolloutRecord:
+    """The record as gathered across processes: the token arrays stay where they are used."""
+    return dataclasses.replace(record, token_ids=[], gen_mask=[], logprobs=[])
+
+
+def _quiet(_: str) -> None:
+    """Log sink of the processes that are not the main one."""
+
+
 def train(
     config: PipelineConfig,
     *,
@@ -786,15 +716,10 @@ def train(
     resume: bool = False,
     endpoints: list[ToolEndpoint] | None = None,
 ) -> TrainResult:
-    """Train `model_path` with GRPO as `config` says; see the module docstring. With no
-    `endpoints` the config's are used, or the demo tool server is started over
-    `config.data.corpus_dir` when `tools.demo_server` is set."""
+    """Train `model_path` with GRPO as `config` says; see the module docstring. The tools
+    are the config's endpoints unless `endpoints` are given."""
     trainer = GRPOTrainer(
-        config,
-        model_path=model_path,
-        output_dir=output_dir,
-        mlflow_run_id=mlflow_run_id,
-        resume=resume,
+        config, model_path=model_path, output_dir=output_dir, mlflow_run_id=mlflow_run_id, resume=resume,
         endpoints=endpoints,
     )
     try:

@@ -9,7 +9,8 @@ our `score_model` graders can talk to it. `GET /v1/models` lists the one model s
 All requests share one generation engine: a driver thread runs `step()` while request
 handlers submit sequences and await their turns, so concurrent requests are batched.
 The model is a local path, a hub id, or an MLflow registry URI (`models:/name@alias`,
-`models:/name/3`), which is downloaded once.
+`models:/name/3`) loaded through MLflow's transformers flavour. It binds to loopback by
+default; `--api-key` makes every route but /health require the key.
 """
 
 from __future__ import annotations
@@ -18,17 +19,16 @@ import asyncio
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from trainer.api_key import RequireApiKey, resolve_api_key
 from trainer.chat_format import parse_assistant_output, tool_calls_to_openai
 from trainer.engine import SamplingParams, TurnOutput
-from trainer.errors import ConfigError
-from trainer.policy import Policy, load_policy
+from trainer.policy import Policy, load_policy, load_registered_policy
 
 
 class ChatRequest(BaseModel):
@@ -43,45 +43,6 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
-
-
-def resolve_model_uri(uri: str, *, cache_dir: Path | None = None, tracking_uri: str | None = None) -> str:
-    """A local directory for `models:/...` URIs (downloaded from the MLflow registry at
-    `tracking_uri`, default MLflow's own); other values are returned as they are (a path or
-    a hub id). The transformers flavour keeps the tokenizer apart from the weights; it is
-    copied next to them so the directory loads with the Auto classes."""
-    if not uri.startswith("models:/"):
-        return uri
-    import hashlib
-    import shutil
-
-    import mlflow
-
-    from trainer.metrics import fluent_store
-
-    store = tracking_uri or mlflow.get_tracking_uri()
-    # Aliases move and registries differ: one folder per (store, uri), fetched afresh.
-    key = hashlib.sha256(f"{store}|{uri}".encode()).hexdigest()[:16]
-    target = Path(cache_dir or Path.home() / ".cache/agentrft/models") / key
-    shutil.rmtree(target, ignore_errors=True)
-    try:
-        # The store is named for this call only (a `models:/m-...` source resolves through the
-        # fluent store): the process may work with other stores.
-        with fluent_store(store):
-            local = Path(mlflow.artifacts.download_artifacts(
-                artifact_uri=uri, dst_path=str(target), tracking_uri=store, registry_uri=store))
-    except Exception as exc:  # MLflow raises its own exception types for unknown models
-        raise ConfigError(f"model {uri!r} could not be downloaded from the MLflow registry: {exc}") from exc
-    configs = sorted(local.rglob("config.json"), key=lambda p: len(p.parts))
-    if not configs:
-        raise ConfigError(f"model {uri!r} holds no transformers model (no config.json under {local})")
-    model_dir = configs[0].parent
-    tokenizer_dir = local / "components" / "tokenizer"
-    if tokenizer_dir.is_dir():
-        for file in tokenizer_dir.iterdir():
-            if file.is_file() and not (model_dir / file.name).exists():
-                shutil.copy2(file, model_dir / file.name)
-    return str(model_dir)
 
 
 class EngineService:
@@ -150,10 +111,13 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
 
-def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, max_len: int = 4096) -> FastAPI:
+def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, max_len: int = 4096,
+                     api_key: str | None = None) -> FastAPI:
     service = EngineService(policy, max_slots=max_slots, max_len=max_len)
     tokenizer = policy.tokenizer
     app = FastAPI(title="agentrft model server")
+    if api_key:
+        app.add_middleware(RequireApiKey, key=api_key)
     app.state.service = service
     app.router.on_shutdown.append(service.close)
 
@@ -225,10 +189,16 @@ def _normalise(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def serve_model(model: str, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
-                dtype: str = "auto", max_slots: int = 32, max_len: int = 4096) -> None:
+                dtype: str = "auto", max_slots: int = 32, max_len: int = 4096, tracking_uri: str | None = None,
+                api_key: str | None = None) -> None:
+    """Serve `model`: a path or hub id, or a registry URI loaded through MLflow's
+    transformers flavour (`mlflow.transformers.load_model`)."""
     import uvicorn
 
-    path = resolve_model_uri(model)
-    policy = load_policy(path, device=device, dtype=dtype)
-    app = create_model_app(policy, model_name=model, max_slots=max_slots, max_len=max_len)
+    if model.startswith("models:/"):
+        policy = load_registered_policy(model, tracking_uri=tracking_uri, device=device)
+    else:
+        policy = load_policy(model, device=device, dtype=dtype)
+    app = create_model_app(policy, model_name=model, max_slots=max_slots, max_len=max_len,
+                           api_key=resolve_api_key(api_key))
     uvicorn.run(app, host=host, port=port, log_level="info")

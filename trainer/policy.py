@@ -8,11 +8,13 @@ config says otherwise), and builds the KV-cache-keeping generation engine for ro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.engine import TransformersBackend
+from trainer.errors import ConfigError
 from trainer.modeling import load_model_and_tokenizer
 
 
@@ -58,3 +60,55 @@ def load_policy(path_or_id: str, *, device: str = "auto", dtype: str = "auto") -
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         model.config._attn_implementation = "sdpa"
     return Policy(model=model, tokenizer=tokenizer, path=str(path_or_id))
+
+
+def use_mlflow_store(tracking_uri: str) -> None:
+    """Point MLflow's process-wide tracking and registry URIs at one store (MLflow's
+    fluent calls, model logging, traces and `models:/` downloads all read them)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+
+
+def local_model_path(uri: str, *, tracking_uri: str | None = None, cache_dir: Path | None = None) -> str:
+    """A local directory for a `models:/...` URI (downloaded from the MLflow registry);
+    other values are returned as they are (a path or a hub id)."""
+    if not uri.startswith("models:/"):
+        return uri
+    import hashlib
+    import shutil
+
+    import mlflow
+
+    if tracking_uri:
+        use_mlflow_store(tracking_uri)
+    store = mlflow.get_tracking_uri()
+    # Aliases move and registries differ: one folder per (store, uri), fetched afresh.
+    key = hashlib.sha256(f"{store}|{uri}".encode()).hexdigest()[:16]
+    target = Path(cache_dir or Path.home() / ".cache/agentrft/models") / key
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(target)))
+    except Exception as exc:  # MLflow raises its own exception types for unknown models
+        raise ConfigError(f"model {uri!r} could not be downloaded from the MLflow registry: {exc}") from exc
+    configs = sorted(local.rglob("config.json"), key=lambda p: len(p.parts))
+    if not configs:
+        raise ConfigError(f"model {uri!r} holds no transformers model (no config.json under {local})")
+    return str(configs[0].parent)
+
+
+def load_registered_policy(uri: str, *, tracking_uri: str | None = None, device: str = "auto") -> Policy:
+    """A registered model loaded through MLflow's transformers flavour."""
+    import mlflow
+
+    if tracking_uri:
+        use_mlflow_store(tracking_uri)
+    try:
+        components = mlflow.transformers.load_model(uri, return_type="components", device=None)
+    except Exception as exc:
+        raise ConfigError(f"model {uri!r} could not be loaded from the MLflow registry: {exc}") from exc
+    model, tokenizer = components["model"], components["tokenizer"]
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return Policy(model=model.to(pick_device(device)).eval(), tokenizer=tokenizer, path=uri)

@@ -4,7 +4,20 @@ A rollout renders the conversation with the tokenizer's chat template and the to
 schemas, generates one assistant turn, parses Hermes-style `<tool_call>` blocks, runs the
 calls of that turn concurrently through the tool client, appends the `tool` messages and
 continues, until a final answer (a turn without tool calls), the tool-call budget
-(`max_episode_steps`), the turn limit or the context limit.
+(`max_episode_steps`), the turn limit, a turn cut short or a malformed call.
+
+The rules a rollout lives by, and why (`RolloutSettings`):
+- A malformed call (a `<tool_call>` block that does not parse, an unknown tool, arguments
+  that fail the tool's schema) ends the rollout by default (`on_malformed_call: end`, what
+  TRL does): it is graded on what it has, so a broken call never buys a cheaper right
+  answer, and the model does not spend turns in a context it never saw. With `feedback`
+  the error is answered like a 4xx, the call counts against `max_episode_steps` and it is
+  charged at least the price of any real call. Malformed calls are counted in every mode.
+- A turn cut by `max_new_tokens_per_turn` or the context (finish_reason `length`) ends
+  the rollout with status `truncated`; its cut text is neither a call nor an answer. The
+  trainer leaves such rollouts out of the loss (`training.mask_truncated`) or charges
+  DAPO's soft overlong penalty.
+- Every turn records its finish_reason: `tool_calls`, `stop` (a final answer) or `length`.
 
 All rollouts share one generation backend. Each rollout is an asyncio task; the driver
 loop hands the backend's `step()` (one prefill/decode iteration over every live sequence)
@@ -23,19 +36,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer.chat_format import assistant_turn_end, continuation_text, parse_assistant_output
+from trainer.chat_format import (
+    ParsedToolCall,
+    ParsedTurn,
+    assistant_turn_end,
+    continuation_text,
+    parse_assistant_output,
+)
 from trainer.engine import GenerationBackend, SamplingParams, TurnOutput
 from trainer.errors import ConfigError, InfraError
-from trainer.graders import grade_async
+from trainer.graders import grade_async, sample_from_text
 from trainer.tools import ToolClient, new_trace_id
 
-STATUSES = ("ok", "over_budget", "max_turns", "infra_error")
+STATUSES = ("ok", "over_budget", "max_turns", "malformed_call", "truncated", "infra_error")
 
 
 @dataclass
@@ -46,6 +64,7 @@ class ToolCallRecord:
     latency_s: float
     error: str | None
     call_id: str
+    turn: int = 0  # the assistant turn (1-based) that made the call
 
 
 @dataclass
@@ -66,8 +85,12 @@ class RolloutRecord:
     turns: int = 0
     latency_s: float = 0.0
     malformed_tool_calls: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    turn_tokens: list[int] = field(default_factory=list)
+    turn_seconds: list[float] = field(default_factory=list)  # generation time of each turn
+    started_at: float = 0.0  # wall clock (epoch seconds) when the rollout started
     infra_error: str | None = None
-    category: str | None = None
+    policy_version: int = 0  # the optimizer step whose weights sampled it
     # For training: every token of the conversation, 1 where the model sampled it.
     token_ids: list[int] = field(default_factory=list, repr=False)
     gen_mask: list[int] = field(default_factory=list, repr=False)
@@ -77,6 +100,16 @@ class RolloutRecord:
     def trainable(self) -> bool:
         """Usable in the loss: no infrastructure failure and a grader score."""
         return self.status != "infra_error" and self.reward is not None
+
+    @property
+    def truncated(self) -> bool:
+        """A turn was cut by the token limit."""
+        return "length" in self.finish_reasons
+
+    @property
+    def tool_turns(self) -> int:
+        """Assistant turns that called tools."""
+        return self.finish_reasons.count("tool_calls")
 
     def to_json(self, *, with_tokens: bool = False) -> dict[str, Any]:
         record = asdict(self)
@@ -97,10 +130,15 @@ class RolloutSettings:
     max_total_tokens: int = 2048
     temperature: float = 1.0
     top_p: float = 1.0
+    on_malformed_call: str = "end"
     over_budget_penalty: float = 1.0
     per_tool_call_penalty: float = 0.0
     tool_call_costs: dict[str, float] = field(default_factory=dict)
+    malformed_call_penalty: float = 0.0
+    per_turn_penalty: float = 0.0
     per_token_penalty: float = 0.0
+    overlong_penalty: float = 0.0
+    overlong_buffer_tokens: int = 64
     penalties_correct_only: bool = False
 
     @classmethod
@@ -113,12 +151,23 @@ class RolloutSettings:
             max_total_tokens=rollout.max_total_tokens,
             temperature=rollout.temperature,
             top_p=rollout.top_p,
+            on_malformed_call=rollout.on_malformed_call,
             over_budget_penalty=penalties.over_budget,
             per_tool_call_penalty=penalties.per_tool_call,
             tool_call_costs=dict(penalties.tool_call_costs),
+            malformed_call_penalty=penalties.malformed_call,
+            per_turn_penalty=penalties.per_turn,
             per_token_penalty=penalties.per_token,
+            overlong_penalty=penalties.overlong,
+            overlong_buffer_tokens=penalties.overlong_buffer_tokens,
             penalties_correct_only=penalties.correct_only,
         )
+
+    @property
+    def malformed_call_price(self) -> float:
+        """A malformed call costs at least as much as the dearest real call, plus its own
+        penalty: a broken call must never be the cheap way to a right answer."""
+        return max([self.per_tool_call_penalty, *self.tool_call_costs.values()]) + self.malformed_call_penalty
 
 
 MIN_TURN_TOKENS = 32  # a turn with fewer tokens of context left than this ends the rollout
@@ -141,7 +190,8 @@ def check_tool_call_costs(
 
 
 def compute_reward(record: RolloutRecord, settings: RolloutSettings) -> None:
-    """reward = score - penalties (over the budget, per tool call, per token)."""
+    """reward = score - penalties: over the budget, per tool call (malformed ones at their
+    own price), per tool-calling turn, per token, and the soft overlong penalty."""
     if record.score is None:
         return
     penalties = {}
@@ -153,8 +203,19 @@ def compute_reward(record: RolloutRecord, settings: RolloutSettings) -> None:
     )
     if shaped and calls_cost:
         penalties["tool_calls"] = calls_cost
+    if record.malformed_tool_calls and settings.malformed_call_price:
+        # charged whatever the score: correct_only must not make a broken call free
+        penalties["malformed_calls"] = record.malformed_tool_calls * settings.malformed_call_price
+    if shaped and settings.per_turn_penalty and record.tool_turns:
+        penalties["turns"] = settings.per_turn_penalty * record.tool_turns
     if shaped and settings.per_token_penalty:
         penalties["tokens"] = settings.per_token_penalty * record.tokens_generated
+    if settings.overlong_penalty and record.turn_tokens:
+        # DAPO's soft overlong punishment, per turn: linear over the last `buffer` tokens.
+        start = settings.max_new_tokens_per_turn - settings.overlong_buffer_tokens
+        excess = max(record.turn_tokens) - start
+        if excess > 0:
+            penalties["overlong"] = settings.overlong_penalty * min(1.0, excess / settings.overlong_buffer_tokens)
     record.penalties = penalties
     record.reward = record.score - sum(penalties.values())
 
@@ -210,6 +271,7 @@ async def _one_rollout(
     grader: dict[str, Any],
     settings: RolloutSettings,
     slots: asyncio.Semaphore,
+    policy_version: int,
 ) -> RolloutRecord:
     item_id = str(item["id"])
     seq_id = f"{item_id}#{sample_index}"
@@ -225,7 +287,7 @@ async def _one_rollout(
         tool_calls=[],
         final_answer="",
         status="max_turns",
-        category=item.get("category"),
+        policy_version=policy_version,
     )
     params = SamplingParams(
         temperature=settings.temperature,
@@ -234,6 +296,7 @@ async def _one_rollout(
     )
     async with slots:
         started = time.perf_counter()
+        record.started_at = time.time()
         append_ids = _encode(
             tokenizer, continuation_text(tokenizer, messages, tools, n_done=0)
         )
@@ -247,6 +310,22 @@ async def _one_rollout(
         await _grade(record, item, grader)
         compute_reward(record, settings)
     return record
+
+
+def _sort_calls(
+    parsed: ParsedTurn, tool_client: ToolClient, item: dict[str, Any]
+) -> tuple[list[ParsedToolCall], list[tuple[str, str]]]:
+    """The turn's calls that can be sent, and its malformed ones as (tool_call_id, error):
+    blocks that did not parse, unknown tools and arguments failing their schema."""
+    valid: list[ParsedToolCall] = []
+    malformed = [("invalid", f"Error: {error}") for error in parsed.errors]
+    for call in parsed.tool_calls:
+        mistake = tool_client.check_call(call.name, call.arguments, item=item)
+        if mistake is None:
+            valid.append(call)
+        else:
+            malformed.append((call.call_id, mistake[1]))
+    return valid, malformed
 
 
 async def _loop_turns(
@@ -273,28 +352,31 @@ async def _loop_turns(
         record.gen_mask.extend([0] * len(append_ids))
         record.logprobs.extend([0.0] * len(append_ids))
         turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+        turn_started = time.perf_counter()
         output: TurnOutput = await driver.turn(seq_id, append_ids, turn_params)
+        record.turn_seconds.append(time.perf_counter() - turn_started)
         record.token_ids.extend(output.token_ids)
         record.gen_mask.extend([1] * len(output.token_ids))
         record.logprobs.extend(output.logprobs)
         record.tokens_generated += len(output.token_ids)
+        record.turn_tokens.append(len(output.token_ids))
         record.turns += 1
         text = tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        if output.finish_reason != "stop":
+            # Cut by the turn's token limit or the context: neither a call nor an answer.
+            record.finish_reasons.append("length")
+            messages.append({"role": "assistant", "content": text})
+            record.status = "truncated"
+            return
         parsed = parse_assistant_output(text, first_call_index=len(record.tool_calls) + record.malformed_tool_calls)
         assistant: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if not parsed.tool_calls and not parsed.errors:
+            record.finish_reasons.append("stop")
             messages.append(assistant)
             record.final_answer = parsed.content
             record.status = "ok"
             return
-        if len(record.tool_calls) + len(parsed.tool_calls) > settings.max_episode_steps:
-            messages.append(assistant)
-            record.status = "over_budget"
-            return
-        if record.turns >= settings.max_turns:
-            messages.append(assistant)
-            record.status = "max_turns"
-            return
+        record.finish_reasons.append("tool_calls")
         if parsed.tool_calls:
             assistant["tool_calls"] = [
                 {"id": call.call_id, "type": "function",
@@ -302,10 +384,21 @@ async def _loop_turns(
                 for call in parsed.tool_calls
             ]
         messages.append(assistant)
+        valid, malformed = _sort_calls(parsed, tool_client, item)
+        record.malformed_tool_calls += len(malformed)
+        if malformed and settings.on_malformed_call == "end":
+            record.status = "malformed_call"
+            return
+        if len(record.tool_calls) + record.malformed_tool_calls + len(valid) > settings.max_episode_steps:
+            record.status = "over_budget"
+            return
+        if record.turns >= settings.max_turns:
+            record.status = "max_turns"
+            return
         n_done = len(messages)
         try:
             results = await tool_client.call_many(
-                [(call.name, call.arguments, call.call_id) for call in parsed.tool_calls],
+                [(call.name, call.arguments, call.call_id) for call in valid],
                 item=item,
                 trace_id=record.trace_id,
             )
@@ -313,42 +406,29 @@ async def _loop_turns(
             record.status = "infra_error"
             record.infra_error = str(exc)
             return
-        for call, result in zip(parsed.tool_calls, results, strict=True):
+        for call, result in zip(valid, results, strict=True):
             record.tool_calls.append(
-                ToolCallRecord(call.name, call.arguments, result.output, result.latency_s, result.error, call.call_id)
+                ToolCallRecord(call.name, call.arguments, result.output, result.latency_s, result.error, call.call_id,
+                               turn=record.turns)
             )
             messages.append({"role": "tool", "tool_call_id": call.call_id, "content": result.output})
-        for error in parsed.errors:
-            # A malformed block is answered like a 4xx: the model reads what went wrong.
-            record.malformed_tool_calls += 1
-            messages.append({"role": "tool", "tool_call_id": "invalid", "content": f"Error: {error}"})
+        for call_id, error in malformed:  # feedback: answered like a 4xx, the model reads what went wrong
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": error})
         # The model sampled the end-of-turn token; the template's turn end may add more
         # ("\n" after ChatML's <|im_end|>) before the tool responses.
         end = driver.turn_end
         stop = tokenizer.eos_token or ""
-        tail = end[len(stop):] if output.finish_reason == "stop" and end.startswith(stop) else end
+        tail = end[len(stop):] if end.startswith(stop) else end
         append_ids = _encode(tokenizer, tail + continuation_text(tokenizer, messages, tools, n_done=n_done))
 
 
-def _sample_for_grader(record: RolloutRecord) -> dict[str, Any]:
-    try:
-        output_json = json.loads(record.final_answer)
-        if not isinstance(output_json, dict):
-            output_json = None
-    except (json.JSONDecodeError, ValueError):
-        output_json = None
-    return {
-        "output_text": record.final_answer,
-        "output_json": output_json,
-        "output_tools": [
-            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-            for call in record.tool_calls
-        ],
-    }
-
-
 async def _grade(record: RolloutRecord, item: dict[str, Any], grader: dict[str, Any]) -> None:
-    result = await grade_async(grader, _sample_for_grader(record), item, trace_id=record.trace_id)
+    output_tools = [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        for call in record.tool_calls
+    ]
+    result = await grade_async(grader, sample_from_text(record.final_answer, output_tools), item,
+                               trace_id=record.trace_id)
     record.score = result.reward
     record.grader_errors = dict(result.errors)
     record.sub_rewards = dict(result.sub_rewards)
@@ -365,26 +445,41 @@ async def run_rollouts_async(
     settings: RolloutSettings,
     tools: list[dict[str, Any]] | None = None,
     max_concurrent: int = 64,
+    policy_version: int = 0,
+    progress: Any = None,
 ) -> list[RolloutRecord]:
     """Run `n_per_item` rollouts of every item; records come back grouped by item, in
-    order (item 0 samples 0..n-1, item 1, ...)."""
+    order (item 0 samples 0..n-1, item 1, ...). `progress(done, total)` hears of every
+    finished rollout."""
     check_tool_call_costs(settings.tool_call_costs, items, "the items to roll out", tools)
     driver = _Driver(backend, assistant_turn_end(tokenizer))
     driver_task = asyncio.create_task(driver.run())
     slots = asyncio.Semaphore(max_concurrent)
+    total = len(items) * n_per_item
+    done = 0
+
+    async def tracked(job: Any) -> RolloutRecord:
+        nonlocal done
+        record = await job
+        done += 1
+        if progress is not None:
+            progress(done, total)
+        return record
+
     try:
         jobs = [
-            _one_rollout(
+            tracked(_one_rollout(
                 driver, tokenizer, item, index,
                 tools=tools if tools is not None else item.get("tools", []),
                 tool_client=tool_client, grader=grader, settings=settings, slots=slots,
-            )
+                policy_version=policy_version,
+            ))
             for item in items
             for index in range(n_per_item)
         ]
         gathered = asyncio.gather(*jobs)
-        done, _ = await asyncio.wait({gathered, driver_task}, return_when=asyncio.FIRST_COMPLETED)
-        if driver_task in done:
+        done_tasks, _ = await asyncio.wait({gathered, driver_task}, return_when=asyncio.FIRST_COMPLETED)
+        if driver_task in done_tasks:
             gathered.cancel()
             driver_task.result()  # re-raise the backend's failure
         return gathered.result()
@@ -393,4 +488,3 @@ async def run_rollouts_async(
         driver.wake.set()
         if not driver_task.done():
             await driver_task
-

@@ -243,6 +243,20 @@ class ToolClient:
             (v for v in secrets if len(v) >= _MIN_SECRET_CHARS), key=len, reverse=True
         )
 
+    @classmethod
+    def from_config(cls, tools: Any, endpoints: list[ToolEndpoint] | None = None, *, seed: int = 0) -> ToolClient:
+        """The client a config's `tools` section describes (`endpoints` replace its own)."""
+        return cls(
+            list(tools.endpoints if endpoints is None else endpoints),
+            tools.schemas,
+            timeout_s=tools.timeout_s,
+            max_retries=tools.max_retries,
+            max_output_chars=tools.max_output_chars,
+            max_concurrency_per_endpoint=tools.max_concurrency_per_endpoint,
+            allowed_hosts=tools.allowed_hosts,
+            seed=seed,
+        )
+
     def __repr__(self) -> str:
         # Header *templates* only: the resolved values may be secrets.
         endpoints = ", ".join(
@@ -267,6 +281,27 @@ class ToolClient:
     async def aclose(self) -> None:
         """Close the shared connection pool."""
         await self._http.aclose()
+
+    def check_call(self, name: str, arguments: str, *, item: dict) -> tuple[str, str] | None:
+        """(error kind, message to the model) when a call is malformed: an unknown tool,
+        arguments that are not JSON, or arguments that fail the tool's schema. None when it
+        can be sent. Nothing goes over the network."""
+        validators = self._validators(item)
+        if name not in validators:
+            return "unknown_tool", f"Error: unknown tool {name!r}; available tools: {', '.join(sorted(validators))}"
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            return (
+                "invalid_json",
+                f"Error: arguments for {name} are not valid JSON ({exc}); send one JSON object matching the "
+                "tool's parameters",
+            )
+        problem = best_match(validators[name].iter_errors(parsed))
+        if problem is not None:
+            at = f" (at {problem.json_path})" if problem.path else ""
+            return "invalid_arguments", f"Error: invalid arguments for {name}: {problem.message}{at}"
+        return None
 
     async def call(
         self,
@@ -301,33 +336,10 @@ class ToolClient:
                 attempts=attempts,
             )
 
-        validators = self._validators(item)
-        if name not in validators:
-            return answer(
-                f"Error: unknown tool {name!r}; available tools: {', '.join(sorted(validators))}",
-                "unknown_tool",
-                None,
-                0,
-            )
-        try:
-            parsed = json.loads(arguments)
-        except json.JSONDecodeError as exc:
-            return answer(
-                f"Error: arguments for {name} are not valid JSON ({exc}); "
-                "send one JSON object matching the tool's parameters",
-                "invalid_json",
-                None,
-                0,
-            )
-        problem = best_match(validators[name].iter_errors(parsed))
-        if problem is not None:
-            at = f" (at {problem.json_path})" if problem.path else ""
-            return answer(
-                f"Error: invalid arguments for {name}: {problem.message}{at}",
-                "invalid_arguments",
-                None,
-                0,
-            )
+        mistake = self.check_call(name, arguments, item=item)
+        if mistake is not None:
+            kind, message = mistake
+            return answer(message, kind, None, 0)
 
         body = {
             "type": "function_call",

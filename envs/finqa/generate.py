@@ -510,8 +510,9 @@ class _Corpus:
 # --- questions -----------------------------------------------------------------------
 
 
-def _draw_question(rng: Random, corpus: _Corpus, category: str) -> dict:
-    """One question of a category: its text, program and the pages it needs."""
+def _draw_question(rng: Random, corpus: _Corpus, category: str) -> tuple[dict, set[tuple[str, int]]]:
+    """One question of a category (its text, program and the pages it needs) and the
+    (ticker, topic) units of the facts it reads."""
     t = rng.choice(TICKERS)
     c = corpus.companies[t]
     a = "" if category == "ratio" else rng.choice(LINE_ITEMS)
@@ -562,7 +563,7 @@ def _draw_question(rng: Random, corpus: _Corpus, category: str) -> dict:
             raise ValueError(f"unknown category {category!r}")
     question = template.format(y=y, **fields)
     exe_ans = round(execute_program(program), 4)
-    return {
+    qa = {
         "question": question,
         "reference_answer": format_answer(exe_ans, percent=percent),
         "exe_ans": exe_ans,
@@ -572,6 +573,7 @@ def _draw_question(rng: Random, corpus: _Corpus, category: str) -> dict:
         "year": y,
         "gold_pages": corpus.gold_pages(t, needs),
     }
+    return qa, {(t, TOPIC_OF[item]) for item, _ in needs}
 
 
 def _category_plan(rng: Random, n: int, mix: dict[str, float]) -> list[str]:
@@ -588,14 +590,40 @@ def _category_plan(rng: Random, n: int, mix: dict[str, float]) -> list[str]:
     return plan
 
 
+def assign_fact_units(seed: int) -> dict[tuple[str, int], str]:
+    """Every (ticker, topic) pair, the unit of underlying facts, assigned to one split:
+    the line items of a topic sit on one page of each report, so a split owns all the
+    values (every year) of its units, and no company-year-line-item fact answers items in
+    two splits. Each company gives one topic to test, one to validation and the other
+    eight to train, so every split asks about every company, as production does."""
+    owner: dict[tuple[str, int], str] = {}
+    for ticker in TICKERS:
+        topics = list(range(len(TOPICS)))
+        Random(f"{seed}/fact-units/{ticker}").shuffle(topics)
+        for index, topic in enumerate(topics):
+            owner[(ticker, topic)] = "test" if index == 0 else "validation" if index == 1 else "train"
+    return owner
+
+
+TOPIC_OF: dict[str, int] = {item: index for index, (_, items, _, _) in enumerate(TOPICS) for item in items}
+
+
 def _split_items(
-    rng: Random, corpus: _Corpus, n: int, drift: bool, seen: dict[str, None]
+    rng: Random,
+    corpus: _Corpus,
+    n: int,
+    drift: bool,
+    seen: dict[str, None],
+    units: set[tuple[str, int]] | None = None,
 ) -> list[dict]:
+    """`n` items in the category mix, unique by normalised question across all splits, and
+    (when `units` is given) reading only facts of those (ticker, topic) units."""
     items = []
     for category in _category_plan(rng, n, DRIFT_CATEGORY_MIX if drift else CATEGORY_MIX):
-        # Questions are unique across all splits by normalised text: eval is held out.
-        for _ in range(1000):
-            qa = _draw_question(rng, corpus, category)
+        for _ in range(20_000):
+            qa, reads = _draw_question(rng, corpus, category)
+            if units is not None and not reads <= units:
+                continue
             if drift:
                 qa["question"] = (
                     f"{rng.choice(VERBOSE_PREFIXES)} {qa['question']} {rng.choice(VERBOSE_SUFFIXES)}"
@@ -607,7 +635,7 @@ def _split_items(
                 break
         else:
             raise ValueError(
-                f"no new unique {category} question after 1000 draws: ask for fewer items"
+                f"no new unique {category} question after 20000 draws: ask for fewer items"
             )
     return items
 
@@ -636,11 +664,18 @@ def generate_dataset(
     seed: int = 0,
     drift: bool = False,
     n_train: int = 2000,
-    n_eval: int = 250,
+    n_validation: int = 250,
+    n_test: int = 250,
     n_traffic: int = 4000,
 ) -> dict:
-    """Write the corpus, train.jsonl, eval.jsonl and production_traffic.jsonl under out_dir
-    and return the counts. Files are overwritten; nothing else in out_dir is touched."""
+    """Write the corpus, train.jsonl, validation.jsonl, test.jsonl and
+    production_traffic.jsonl under out_dir and return the counts. Files are overwritten;
+    nothing else in out_dir is touched.
+
+    The three splits are disjoint by id, by normalised question and by underlying fact:
+    each (ticker, topic) unit belongs to one split (`assign_fact_units`), so no company,
+    year and line item answers items in two of them. Production traffic is what users
+    ask: drawn from every unit, unique by question against the splits."""
     out_dir = Path(out_dir)
     corpus = _Corpus(seed)
     for path, text in corpus.pages.items():
@@ -648,10 +683,14 @@ def generate_dataset(
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text(text, encoding="utf-8", newline="\n")
 
+    owner = assign_fact_units(seed)
     rng = Random(f"{seed}/questions/{'drift' if drift else 'production'}")
     seen: dict[str, None] = {}  # insertion-ordered, never iterated: only membership
-    train = _split_items(rng, corpus, n_train, drift, seen)
-    eval_items = _split_items(rng, corpus, n_eval, drift, seen)
+    sizes = {"train": n_train, "validation": n_validation, "test": n_test}
+    splits = {
+        name: _split_items(rng, corpus, size, drift, seen, {u for u, o in owner.items() if o == name})
+        for name, size in sizes.items()
+    }
     traffic = _split_items(rng, corpus, n_traffic, drift, seen)
 
     # Production traffic arrives over 90 days; ids follow arrival order.
@@ -665,14 +704,8 @@ def generate_dataset(
         )
         traffic_rows.append(row)
 
-    write_jsonl(out_dir / "train.jsonl", [_row(f"train-{i:05d}", qa) for i, qa in enumerate(train)])
-    write_jsonl(
-        out_dir / "eval.jsonl", [_row(f"eval-{i:05d}", qa) for i, qa in enumerate(eval_items)]
-    )
+    for name, items in splits.items():
+        write_jsonl(out_dir / f"{name}.jsonl", [_row(f"{name}-{i:05d}", qa) for i, qa in enumerate(items)])
     write_jsonl(out_dir / "production_traffic.jsonl", traffic_rows)
-    return {
-        "pages": len(corpus.pages),
-        "train": len(train),
-        "eval": len(eval_items),
-        "production_traffic": len(traffic_rows),
-    }
+    return {"pages": len(corpus.pages), **{name: len(items) for name, items in splits.items()},
+            "production_traffic": len(traffic_rows)}

@@ -16,13 +16,12 @@ the project's numeric grader, partial credit against `item.reference_answer`.
 
 Search embeds the query on the CPU, so tools run in the threadpool and the event loop
 keeps serving; injected latency and faults (`faults.py`) sleep with asyncio for the same
-reason. Run it with `python -m envs.finqa.server --corpus data/corpus`, or in tests with
+reason. Run it with `agentrft env serve finqa --corpus data/corpus`, or in tests with
 `serve_in_thread(create_app(corpus_dir))`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -49,6 +48,7 @@ from envs.finqa.calculator import evaluate, format_number
 from envs.finqa.faults import Fault, FaultConfig, FaultInjector
 from envs.finqa.search import SearchIndex
 from envs.finqa.tool_schemas import TOOL_SCHEMAS
+from trainer.api_key import RequireApiKey
 from trainer.graders import grade_async
 
 MAX_BODY_BYTES = 1024 * 1024
@@ -319,10 +319,11 @@ def create_app(
     max_seq_length: int = 128,
     max_traces: int = 10_000,
     max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The tool server over `corpus_dir`. The search index is built (or loaded from the
     cache in `index_cache_dir`) here, before the first request; pass `index` to share one
-    already built."""
+    already built. With `api_key`, every route but /health (the traces included) needs it."""
     corpus_dir = Path(corpus_dir)
     if not corpus_dir.is_dir():
         raise FileNotFoundError(f"corpus directory {corpus_dir} does not exist")
@@ -336,6 +337,8 @@ def create_app(
 
     app = ToolServerApp(title="FinQA-style tool server")
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(RequireApiKey, key=api_key)
     app.state.tools = tools
     app.state.traces = traces
 
@@ -499,30 +502,3 @@ def serve(
     `app_options` go to `create_app`."""
     app = create_app(corpus_dir, **app_options)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Serve the FinQA-style tools over HTTP.")
-    parser.add_argument("--corpus", type=Path, default=Path("data/corpus"), help="corpus root")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-output-chars", type=int, default=2000)
-    parser.add_argument("--index-cache-dir", type=Path, default=None)
-    parser.add_argument("--max-seq-length", type=int, default=128,
-                        help="tokens of each page that the search embeds")
-    parser.add_argument("--faults", default=None,
-                        help='FaultConfig as JSON, e.g. \'{"error_rate": 0.1, "latency_ms": 50}\'')
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--no-access-log", action="store_true")
-    args = parser.parse_args(argv)
-    faults = FaultConfig.model_validate_json(args.faults) if args.faults else None
-    serve(
-        args.corpus, args.host, args.port,
-        log_level=args.log_level, access_log=not args.no_access_log,
-        max_output_chars=args.max_output_chars, faults=faults,
-        index_cache_dir=args.index_cache_dir, max_seq_length=args.max_seq_length,
-    )
-
-
-if __name__ == "__main__":
-    main()

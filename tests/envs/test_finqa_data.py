@@ -13,8 +13,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-
 from envs.finqa.dvc_pin import dir_manifest, dir_md5, pinned_md5, verify_data
+
 from envs.finqa.finqa_format import infer_category, load_finqa_json
 from envs.finqa.generate import (
     LINE_ITEMS,

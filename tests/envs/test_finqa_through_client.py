@@ -15,14 +15,14 @@ import pytest
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import local_tool_endpoints
 from envs.finqa.tool_schemas import TOOL_SCHEMAS
-from trainer.bootstrap import read_items
+from trainer.data import read_items
 from trainer.errors import InfraError
 from trainer.tools import ToolClient, new_trace_id
 
 
 @pytest.fixture(scope="module")
 def corpus(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    item = read_items(demo_data_dir / "eval.jsonl", 1)[0]
+    item = read_items(demo_data_dir / "validation.jsonl", 1)[0]
     root = tmp_path_factory.mktemp("corpus")
     for ticker in (item["ticker"], "ACME"):
         shutil.copytree(demo_data_dir / "corpus/reports" / ticker, root / "reports" / ticker)

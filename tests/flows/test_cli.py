@@ -25,7 +25,7 @@ def test_grader_validate_and_run(tmp_path: Path, demo_data_dir: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["valid"] is True
 
-    item = json.loads((demo_data_dir / "eval.jsonl").read_text().splitlines()[0])
+    item = json.loads((demo_data_dir / "validation.jsonl").read_text().splitlines()[0])
     item_file = tmp_path / "item.json"
     item_file.write_text(json.dumps(item))
     result = agentrft(

@@ -30,7 +30,7 @@ def job_body(world: Path, endpoints, model: str | None = None) -> dict:
     return {
         "model": model,
         "training_file": str(world / "data" / "train.jsonl"),
-        "validation_file": str(world / "data" / "eval.jsonl"),
+        "validation_file": str(world / "data" / "validation.jsonl"),
         "suffix": "openai-job",
         "seed": 7,
         "method": {"type": "reinforcement", "reinforcement": {

@@ -17,8 +17,10 @@ import pytest
 import yaml
 
 from envs.finqa.generate import generate_dataset
+from tasks.data_version import add
+from tasks.expectations import derive_and_save
 from tasks.tracking import mlflow_client
-from tests.pipeline_world import micro, pin
+from tests.pipeline_world import micro
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +71,7 @@ def test_first_run_records_six_stages_and_promotes(first_run):
     assert sorted(m.step for m in training) == [1, 2]
     assert stages["regression_eval"].data.metrics["regression/gain"] == 0.0
     inputs = {d.dataset.name: d.dataset.digest for d in stages["validate_data"].inputs.dataset_inputs}
-    assert set(inputs) == {"train.jsonl", "eval.jsonl"} and len(set(inputs.values())) == 1
+    assert set(inputs) == {"train.jsonl", "validation.jsonl", "test.jsonl"} and len(set(inputs.values())) == 1
     for stage, artifact in (("validate_data", "validation_report.md"), ("baseline", "per_item_spread.png"),
                             ("prompt_optimization", "variants.md"), ("regression_eval", "regression_report.md"),
                             ("regression_eval", "reward_hacking_probes.json"), ("promotion", "promotion.json")):
@@ -124,11 +126,16 @@ def test_drifted_data_stops_at_validation(harness, world, endpoints, taught_mode
     from flows.pipeline import agent_rft_pipeline, pipeline_parameters
 
     drifted = world / "drifted"
-    generate_dataset(drifted, seed=0, drift=True)
-    pin(drifted, world / "drifted.dvc")
+    generate_dataset(drifted, seed=0, drift=True, n_train=300, n_validation=250, n_test=250, n_traffic=10)
+    add(drifted)
+    production = world / "production"
+    generate_dataset(production, seed=0, n_train=10, n_validation=10, n_test=10, n_traffic=1000)
+    derive_and_save(production / "production_traffic.jsonl", world / "expectations", name="traffic",
+                    required=["reference_answer"])
     config = micro(world, endpoints, taught_model, mlflow=_own_store(world), data={
-        "data_dir": str(drifted), "dvc_file": str(world / "drifted.dvc"), "train_file": str(drifted / "train.jsonl"),
-        "eval_file": str(drifted / "eval.jsonl")})
+        "dvc_file": str(world / "drifted.dvc"), "train_file": str(drifted / "train.jsonl"),
+        "validation_file": str(drifted / "validation.jsonl"), "test_file": str(drifted / "test.jsonl"),
+        "expectations_dir": str(world / "expectations"), "expectations_suite": "traffic"})
     state = agent_rft_pipeline(**pipeline_parameters(config), return_state=True)
     assert state.is_failed()
     with pytest.raises(Exception, match="validate_data: .* failed checks"):

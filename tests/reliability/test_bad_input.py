@@ -507,7 +507,7 @@ def test_item_the_grader_cannot_use_is_a_grader_error_not_a_score(
 @pytest.fixture(scope="module")
 def base_rows(demo_data_dir: Path) -> tuple[list[str], list[str]]:
     train = (demo_data_dir / "train.jsonl").read_text().splitlines()[:30]
-    eval_ = (demo_data_dir / "eval.jsonl").read_text().splitlines()[:6]
+    eval_ = (demo_data_dir / "validation.jsonl").read_text().splitlines()[:6]
     return train, eval_
 
 
@@ -519,7 +519,7 @@ def suite() -> dict:
 def test_fuzzed_unreadable_rows_raise_data_error_with_file_and_line(base_rows, tmp_path: Path) -> None:
     train, eval_ = base_rows
     rng = random.Random(f"{SEED}:rows:unreadable")
-    eval_path = tmp_path / "eval.jsonl"
+    eval_path = tmp_path / "validation.jsonl"
     eval_path.write_text("\n".join(eval_) + "\n")
     for index in range(24):
         lines = [line.encode() for line in train]

@@ -26,7 +26,7 @@ from envs.finqa.local import local_tool_endpoints
 from tasks.tracking import mlflow_client
 from tests.pipeline_world import micro
 from tests.taught_model import OUTPUT_CHARS
-from trainer.bootstrap import read_items
+from trainer.data import read_items
 from trainer.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration
@@ -48,7 +48,7 @@ def test_infrastructure_failures_are_retried_counted_and_never_scored(world, fau
     config = micro(world, faulty_endpoints, taught_model, tools={"timeout_s": 0.5, "max_retries": 2},
                    rollout={"max_turns": 3, "max_concurrent_rollouts": 8})
     policy = load_policy(str(taught_model))
-    items = read_items(world / "data" / "train.jsonl") + read_items(world / "data" / "eval.jsonl")
+    items = read_items(world / "data" / "train.jsonl") + read_items(world / "data" / "validation.jsonl")
     summary, records = run_evaluation(
         policy.backend(max_slots=8, max_len=768, seed=0), policy.tokenizer, items, k=8,
         endpoints=faulty_endpoints, grader=config.grader,

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from envs.finqa.tokenizer import build_tokenizer
 from trainer.chat_format import (
     ParsedToolCall,
     ParsedTurn,
@@ -20,7 +21,6 @@ from trainer.chat_format import (
     tool_calls_to_openai,
 )
 from trainer.errors import ConfigError
-from trainer.tokenizer import build_tokenizer
 
 CORPUS = [
     f"In {2010 + i % 12} ACME reported revenue of {i * 37 % 1000} million." for i in range(300)

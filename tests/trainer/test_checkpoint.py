@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from envs.finqa.tiny_model import build_model, tiny_config
 from trainer.checkpoint import (
     STATE_FILE,
     BestCheckpoints,
@@ -21,7 +22,6 @@ from trainer.checkpoint import (
     save_model,
     set_rng_state,
 )
-from trainer.modeling import build_model, tiny_config
 
 
 def _draws() -> tuple[float, float, list[float]]:
@@ -106,7 +106,7 @@ def test_save_model_merges_lora_adapters_into_a_plain_model(tmp_path: Path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from trainer.tokenizer import build_tokenizer
+    from envs.finqa.tokenizer import build_tokenizer
 
     accelerator = Accelerator()
     tokenizer = build_tokenizer(["revenue grew 12% in 2021", "Answer: 3.5"] * 20, vocab_size=300)

@@ -23,6 +23,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from envs.finqa.demo_model import (
+    read_items,
+)
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import (
     GRADER,
@@ -31,9 +34,6 @@ from tests.taught_model import (
     TOOLS,
     copy_items,
     teach_model,
-)
-from trainer.bootstrap import (
-    read_items,
 )
 from trainer.config import config_from_dict
 from trainer.errors import ConfigError
@@ -82,7 +82,7 @@ def world(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     root = tmp_path_factory.mktemp("grpo")
     items = read_items(demo_data_dir / "train.jsonl", 2)
     copy_items(demo_data_dir, items, root, "train.jsonl")
-    copy_items(demo_data_dir, items, root, "eval.jsonl")
+    copy_items(demo_data_dir, items, root, "validation.jsonl")
     return root
 
 
@@ -99,7 +99,7 @@ def taught_model(world: Path, endpoints: list[ToolEndpoint]) -> Path:
 
 def micro_config(world: Path, endpoints: list[ToolEndpoint], **training):
     return config_from_dict({
-        "data": {"train_file": str(world / "train.jsonl"), "eval_file": str(world / "eval.jsonl"),
+        "data": {"train_file": str(world / "train.jsonl"), "eval_file": str(world / "validation.jsonl"),
                  "corpus_dir": str(world / "corpus")},
         "tools": {"endpoints": [e.model_dump() for e in endpoints], "schemas": TOOLS,
                   "max_output_chars": OUTPUT_CHARS, "demo_server": False, "max_retries": 2},
@@ -126,8 +126,9 @@ def _comparable(row: dict) -> dict:
 @pytest.fixture(scope="module")
 def two_step_run(world: Path, endpoints: list[ToolEndpoint], taught_model: Path):
     """The uninterrupted 2-step run, through the CLI entry point, logging to MLflow."""
-    from tasks.tracking import mlflow_client
     from trainer.train_cli import main
+
+    from tasks.tracking import mlflow_client
 
     config = micro_config(world, endpoints)
     config_file = world / "micro.yaml"

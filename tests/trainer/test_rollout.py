@@ -20,12 +20,12 @@ import httpx
 import pytest
 import torch
 
+from envs.finqa.demo_model import (
+    read_items,
+)
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import fit_tiny_model
-from trainer.bootstrap import (
-    read_items,
-)
 from trainer.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from trainer.engine import TransformersBackend
 from trainer.rollout import RolloutSettings
@@ -76,7 +76,7 @@ async def _script(item: dict, turns: list, endpoints: list[ToolEndpoint]) -> lis
 
 @pytest.fixture(scope="module")
 def world(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    items = read_items(demo_data_dir / "eval.jsonl", 4)
+    items = read_items(demo_data_dir / "validation.jsonl", 4)
     corpus = tmp_path_factory.mktemp("corpus")
     for item in items:
         for page in item["gold_pages"]:

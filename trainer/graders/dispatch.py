@@ -49,11 +49,14 @@ logger = logging.getLogger(__name__)
 def sample_from_text(
     output_text: str, output_tools: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
-    """A grader sample from a model's final text: `output_json` is the text parsed when
-    it is valid JSON (as OpenAI's graders/run fills it), else None."""
+    """The grader's sample from a model's final text and its tool calls (Chat Completions
+    shape): `output_json` is the text parsed when it is a JSON object (as OpenAI's
+    graders/run fills it), else None. The one place a sample is built."""
     try:
         output_json = json.loads(output_text)
     except json.JSONDecodeError:
+        output_json = None
+    if not isinstance(output_json, dict):
         output_json = None
     return {
         "output_text": output_text,

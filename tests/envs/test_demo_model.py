@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 
 from envs.finqa.calculator import evaluate
-from envs.finqa.generate import TICKERS, execute_program
-from envs.finqa.local import local_tool_endpoints
-from trainer.bootstrap import (
+from envs.finqa.demo_model import (
     BootstrapSettings,
     ScriptedPolicy,
     collect_demonstrations,
@@ -24,9 +22,11 @@ from trainer.bootstrap import (
     program_expression,
     read_items,
 )
+from envs.finqa.generate import TICKERS, execute_program
+from envs.finqa.local import local_tool_endpoints
+from envs.finqa.tiny_model import build_model, tiny_config
+from envs.finqa.tokenizer import build_tokenizer
 from trainer.graders import grade
-from trainer.modeling import build_model, tiny_config
-from trainer.tokenizer import build_tokenizer
 
 GRADER = {"type": "numeric", "name": "a", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}
 
@@ -179,7 +179,7 @@ def test_encoding_trains_only_assistant_tokens_and_weights_copies(demos) -> None
 
 
 def test_copy_accuracy_counts_the_copied_tokens_the_model_predicts(demos) -> None:
-    from trainer.bootstrap import supervised_warm_start
+    from envs.finqa.demo_model import supervised_warm_start
 
     items, conversations = demos
     tokenizer = build_tokenizer([str(c) for c in conversations], vocab_size=600, extra_tokens=TICKERS)
@@ -200,7 +200,7 @@ def test_copy_accuracy_counts_the_copied_tokens_the_model_predicts(demos) -> Non
 def test_copy_batch_repeats_a_span_and_trains_only_the_repeat() -> None:
     import random
 
-    from trainer.bootstrap import copy_batch
+    from envs.finqa.demo_model import copy_batch
 
     examples = [(list(range(100, 400)), [1.0] * 300), (list(range(500, 540)), [1.0] * 40)]
     batch = copy_batch(examples, random.Random(0), tokens_per_batch=500)
@@ -218,7 +218,7 @@ def test_copy_batch_repeats_a_span_and_trains_only_the_repeat() -> None:
      ("-0.0512345", "-0.0512"), ("1e-05", "1e-05")],
 )
 def test_calculator_results_are_cut_not_rounded(result: str, written: str) -> None:
-    from trainer.bootstrap import _cut
+    from envs.finqa.demo_model import _cut
 
     assert _cut(result) == written
 

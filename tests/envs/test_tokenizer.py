@@ -14,10 +14,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
+from envs.finqa.tiny_model import build_model, count_parameters, tiny_config
+from envs.finqa.tokenizer import build_tokenizer
 from trainer.chat_format import CHAT_TEMPLATE
 from trainer.errors import ConfigError
-from trainer.modeling import build_model, count_parameters, load_model_and_tokenizer, tiny_config
-from trainer.tokenizer import build_tokenizer
+from trainer.modeling import load_model_and_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TICKERS = ["ACME", "ZETA", "NOVA", "BRK.B"]  # BRK.B: punctuation inside a ticker
@@ -149,7 +150,7 @@ def test_training_is_deterministic(tmp_path):
     corpus_file = tmp_path / "corpus.json"
     corpus_file.write_text(json.dumps(corpus))
     script = (
-        "import hashlib, json, sys; from trainer.tokenizer import build_tokenizer; "
+        "import hashlib, json, sys; from envs.finqa.tokenizer import build_tokenizer; "
         "t = build_tokenizer(json.load(open(sys.argv[1])), vocab_size=1024, "
         f"extra_tokens={TICKERS!r}); "
         "print(hashlib.sha256(t.backend_tokenizer.to_str().encode()).hexdigest())"

@@ -15,8 +15,10 @@ Three steps, all seeded, so the same data and settings give the same model:
 3. A supervised warm start of a small Qwen3 on those conversations, with the loss on the
    assistant's tokens only and extra weight on the numbers the assistant writes.
 
-The model is saved with `save_pretrained` (loadable with the Auto classes) in a cache
-directory keyed by the data md5 and the bootstrap settings, so the demo builds it once.
+The model is saved with `save_pretrained` (loadable with the Auto classes). The demo ships
+the built model in `envs/finqa/model/`, pinned by the md5 of each file in
+`envs/finqa/model.pin.json` with the evaluation figures measured on it, so a fresh machine
+does not spend ~50 minutes building it; `agentrft model bootstrap` rebuilds it from its seed.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
 import torch
 
 from trainer.chat_format import assistant_turn_end, continuation_text
+from trainer.data import read_items
+from trainer.errors import DataError
 from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 
 # Bumped when the demonstrations change for the same data and settings, including through the
@@ -44,7 +48,7 @@ from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
 # redundant calls, the calculator on every item; v11: sequential again; v12: a plan line
 # and a second, redundant calculator call).
 BOOTSTRAP_VERSION = "12"
-HELD_OUT_ITEMS = 40  # eval items whose demonstrations measure the built model's copying
+HELD_OUT_ITEMS = 40  # validation items whose demonstrations measure the built model's copying
 
 
 @dataclass
@@ -94,13 +98,6 @@ class BootstrapSettings:
     seed: int = 0
     max_minutes: float = 120.0  # a safety net; the token budget is what should end the warm start
     max_output_chars: int = 2000
-
-    def key(self, data_md5: str) -> str:
-        # A float setting keys the same whether it is given as 90 or 90.0.
-        types = get_type_hints(type(self))
-        values = {name: float(value) if types[name] is float else value for name, value in asdict(self).items()}
-        text = json.dumps({**values, "data": data_md5, "v": BOOTSTRAP_VERSION}, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 # --- 1. tokenizer ---------------------------------------------------------------------
@@ -318,19 +315,28 @@ async def collect_demonstrations(
     policy: ScriptedPolicy | None = None,
     concurrency: int = 16,
     max_output_chars: int = 2000,
+    log: Any = None,
 ) -> list[list[dict[str, Any]]]:
-    """Run the scripted policy `demos_per_item` times on every item, in a fixed order."""
+    """Run the scripted policy `demos_per_item` times on every item, in a fixed order;
+    `log` hears how many are done every 30 s."""
     policy = policy or ScriptedPolicy()
     tools = items[0]["tools"]
     slots = asyncio.Semaphore(concurrency)
+    total, done, last = len(items) * demos_per_item, 0, time.monotonic()
     async with ToolClient(endpoints, tools, max_output_chars=max_output_chars, backoff_s=0.05) as client:
 
-        async def one(index: int, item: dict[str, Any], k: int) -> list[dict[str, Any]]:
+        async def one(item: dict[str, Any], k: int) -> list[dict[str, Any]] | None:
+            nonlocal done, last
             async with slots:
                 rng = random.Random(f"{seed}:{item['id']}:{k}")
-                return await scripted_conversation(item, client, rng, policy, system_prompt)
+                demo = await scripted_conversation(item, client, rng, policy, system_prompt)
+            done += 1
+            if log is not None and time.monotonic() - last > 30:
+                last = time.monotonic()
+                log(f"demo model: demonstrations {done}/{total}")
+            return demo
 
-        jobs = [one(i, item, k) for i, item in enumerate(items) for k in range(demos_per_item)]
+        jobs = [one(item, k) for item in items for k in range(demos_per_item)]
         return [demo for demo in await asyncio.gather(*jobs) if demo is not None]
 
 
@@ -499,7 +505,9 @@ def supervised_warm_start(
             loss_value = loss.item()
             if step % 50 == 0:
                 elapsed = time.perf_counter() - started
-                log(f"warm start step {step}: loss {loss_value:.3f}, {seen / 1e6:.2f}M tokens, {elapsed:.0f}s")
+                eta = elapsed * (settings.train_tokens - seen) / max(seen, 1)
+                log(f"warm start step {step}: loss {loss_value:.3f}, {seen / 1e6:.2f}M of "
+                    f"{settings.train_tokens / 1e6:.0f}M tokens, {elapsed:.0f}s, ETA {eta / 60:.0f} min")
             if seen >= settings.train_tokens:
                 break
             if time.perf_counter() - started > settings.max_minutes * 60:
@@ -540,47 +548,34 @@ def copy_accuracy(model: torch.nn.Module, examples: list[tuple[list[int], list[f
 
 # --- the whole build ------------------------------------------------------------------
 
-
-def read_items(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    items = []
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                items.append(json.loads(line))
-            if limit is not None and len(items) >= limit:
-                break
-    return items
+MODEL_DIR = Path(__file__).resolve().parent / "model"
+PIN_FILE = Path(__file__).resolve().parent / "model.pin.json"
 
 
 def bootstrap_demo_model(
     data_dir: Path,
+    out: Path,
     *,
-    data_md5: str,
-    cache_root: Path,
     settings: BootstrapSettings,
     system_prompt: str,
     log: Any = print,
 ) -> Path:
-    """Build (or reuse) the demo base model; returns its directory."""
+    """Build the demo base model from `data_dir` (train items, corpus) into `out`:
+    tokenizer, demonstrations against the real tool server, warm start. Returns `out`."""
     from envs.finqa.generate import LINE_ITEMS, TICKERS
-    from envs.finqa.server import create_app, serve_in_thread
-    from envs.finqa.tool_schemas import TOOL_NAMES
-    from trainer.modeling import build_model, count_parameters, tiny_config
-    from trainer.tokenizer import build_tokenizer
+    from envs.finqa.local import local_tool_endpoints
+    from envs.finqa.tiny_model import build_model, count_parameters, tiny_config
+    from envs.finqa.tokenizer import build_tokenizer
 
-    out = cache_root / f"demo-{settings.key(data_md5)}"
-    if (out / "bootstrap.json").is_file():
-        log(f"demo model: cached at {out}")
-        return out
     started = time.perf_counter()
     items = read_items(data_dir / "train.jsonl", settings.max_items)
     tools = items[0]["tools"]
+    log("demo model: training the tokenizer")
     tokenizer = build_tokenizer(
         tokenizer_texts(data_dir, tools), vocab_size=settings.vocab_size, extra_tokens=TICKERS
     )
-    app = create_app(data_dir / "corpus", max_output_chars=settings.max_output_chars)
-    with serve_in_thread(app) as base_url:
-        endpoints = [ToolEndpoint(name=name, server_url=f"{base_url}/tools/{name}") for name in TOOL_NAMES]
+    with local_tool_endpoints(data_dir / "corpus", max_output_chars=settings.max_output_chars) as endpoints:
+        log(f"demo model: {len(items) * settings.demos_per_item} demonstrations against the tool server")
         demos = asyncio.run(
             collect_demonstrations(
                 items,
@@ -589,12 +584,13 @@ def bootstrap_demo_model(
                 seed=settings.seed,
                 system_prompt=system_prompt,
                 max_output_chars=settings.max_output_chars,
+                log=log,
             )
         )
-        # a yardstick only, never trained on: the eval split's first items
+        # a yardstick only, never trained on: the validation split's first items
         held_out = asyncio.run(
             collect_demonstrations(
-                read_items(data_dir / "eval.jsonl", HELD_OUT_ITEMS),
+                read_items(data_dir / "validation.jsonl", HELD_OUT_ITEMS),
                 endpoints,
                 demos_per_item=1,
                 seed=settings.seed,
@@ -638,12 +634,13 @@ def bootstrap_demo_model(
     )
     log(f"demo model: copies {stats['held_out_copy_accuracy']:.1%} of the copied tokens of held-out demonstrations")
     tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     record = {
         "settings": asdict(settings),
-        "data_md5": data_md5,
+        "bootstrap_version": BOOTSTRAP_VERSION,
         "parameters": count_parameters(model),
         "demonstrations": len(demos),
         "demo_tool_calls_mean": sum(tool_calls) / len(tool_calls),
@@ -651,31 +648,54 @@ def bootstrap_demo_model(
         "warm_start": stats,
         "total_seconds": time.perf_counter() - started,
     }
-    (tmp / "bootstrap.json").write_text(json.dumps(record, indent=2))
-    if out.exists():  # a concurrent build finished first; keep one copy
-        shutil.rmtree(out)
+    (tmp / "bootstrap.json").write_text(json.dumps(record, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)
     log(f"demo model: built in {record['total_seconds']:.0f}s at {out}")
     return out
 
 
-def resolve_base_model(config: Any, *, log: Any = print) -> str:
-    """The base model's path or hub id; 'demo' builds (or reuses) the demo model."""
-    from envs.finqa.dvc_pin import pinned_md5
+def model_files_md5(model_dir: Path) -> dict[str, str]:
+    """The md5 of every file of a model directory, by name."""
+    if not model_dir.is_dir():
+        raise DataError(f"{model_dir}: no model directory; restore it with `git checkout {model_dir}` or "
+                        "rebuild it with `agentrft model bootstrap`")
+    return {
+        file.name: hashlib.md5(file.read_bytes(), usedforsecurity=False).hexdigest()
+        for file in sorted(model_dir.iterdir())
+        if file.is_file()
+    }
 
-    if config.model.base_model != "demo":
-        return config.model.base_model
-    settings = BootstrapSettings(
-        seed=config.model.bootstrap_seed,
-        max_minutes=config.model.bootstrap_minutes,
-        train_tokens=config.model.bootstrap_tokens,
-    )
-    path = bootstrap_demo_model(
-        Path(config.data.data_dir),
-        data_md5=pinned_md5(Path(config.data.dvc_file)),
-        cache_root=Path(config.model.cache_dir),
-        settings=settings,
-        system_prompt=config.rollout.system_prompt,
-        log=log,
-    )
-    return str(path)
+
+def write_model_pin(model_dir: Path, pin_file: Path, evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Pin a model directory: each file's md5, plus the evaluation figures recorded for it."""
+    files = model_files_md5(model_dir)
+    pin = {
+        "model_dir": model_dir.name,
+        "files": files,
+        "md5": hashlib.md5(json.dumps(files, sort_keys=True).encode(), usedforsecurity=False).hexdigest(),
+        "evaluation": evaluation or {},
+    }
+    pin_file.write_text(json.dumps(pin, indent=2) + "\n")
+    return pin
+
+
+def verify_model_pin(model_dir: Path = MODEL_DIR, pin_file: Path = PIN_FILE) -> dict[str, Any]:
+    """Check a shipped model against its pin; returns the pin. DataError naming the file
+    that differs (or is missing) and how to restore it."""
+    try:
+        pin = json.loads(pin_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"{pin_file}: cannot read the model pin ({exc}); restore it with git") from None
+    actual = model_files_md5(model_dir)
+    for name, md5 in pin["files"].items():
+        if actual.get(name) != md5:
+            found = actual.get(name, "missing")
+            raise DataError(
+                f"{model_dir / name}: md5 {found} differs from its pin {md5} in {pin_file}; restore the shipped "
+                f"model with `git checkout -- {model_dir}`, or rebuild and re-pin it with `agentrft model bootstrap`"
+            )
+    extra = sorted(set(actual) - set(pin["files"]))
+    if extra:
+        raise DataError(f"{model_dir}: files {extra} are not in its pin {pin_file}; remove them or re-pin")
+    return pin

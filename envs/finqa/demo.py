@@ -1,0 +1,88 @@
+"""`make demo`: the whole pipeline on the FinQA-style environment, on one machine.
+
+The demo is one environment among others: it runs the generic pipeline on its own config
+(`envs/finqa/demo.yaml`) exactly as a user runs theirs. What the demo entry adds is what a
+user would do by hand before `agentrft run`:
+
+1. the data: regenerated from its seed when `data/` is missing or differs, then checked
+   against `data.dvc` by DVC itself;
+2. the base model: the shipped `envs/finqa/model/`, checked against its pin
+   (`envs/finqa/model.pin.json`); `agentrft model bootstrap` rebuilds it;
+3. the tools: the FinQA tool server, started on loopback at the port the config's
+   endpoints name, and stopped at the end.
+
+Then it prints the before/after table, the decision, the main figures and the commands
+that open the UIs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from trainer.errors import AgentRFTError, ConfigError
+
+DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"
+
+
+def ensure_data(config: Any, *, seed: int = 0, log: Any = print) -> str:
+    """The demo data in place and exactly what `data.dvc` pins; returns the md5."""
+    from envs.finqa.generate import generate_dataset
+    from tasks.data_version import check_pinned
+    from trainer.errors import DataError
+
+    data_dir = Path(config.data.train_file).parent
+    try:
+        return check_pinned(config.data.dvc_file)
+    except DataError as first:
+        log(f"regenerating {data_dir} from seed {seed} ({first})")
+    generate_dataset(data_dir, seed=seed)
+    try:
+        return check_pinned(config.data.dvc_file)
+    except DataError as exc:
+        raise DataError(f"the regenerated data does not match {config.data.dvc_file}: {exc}; the generator no "
+                        "longer reproduces the pinned data (run `agentrft data verify` for details)") from None
+
+
+@contextmanager
+def tool_server(config: Any, corpus_dir: Path, *, api_key: str | None = None) -> Iterator[str]:
+    """The FinQA tool server on the loopback port the config's endpoints name."""
+    from envs.finqa.server import create_app, serve_in_thread
+
+    urls = {urlparse(e.server_url) for e in config.tools.endpoints}
+    ports = {(u.hostname, u.port) for u in urls}
+    if len(ports) != 1:
+        raise ConfigError(f"{DEMO_CONFIG}: the demo serves every tool from one server; the endpoints name {ports}")
+    host, port = ports.pop()
+    if host not in ("127.0.0.1", "localhost"):
+        raise ConfigError(f"the demo tool server binds to loopback; the endpoints name host {host}")
+    app = create_app(corpus_dir, max_output_chars=config.tools.max_output_chars, api_key=api_key)
+    try:
+        with serve_in_thread(app, port=port or 80) as base_url:
+            yield base_url
+    except OSError as exc:
+        raise AgentRFTError(f"cannot start the demo tool server on {host}:{port} ({exc.strerror}); stop whatever "
+                            "uses that port or change the port of tools.endpoints in the config") from None
+
+
+def run_demo(config: Any, refresh: list[str], *, log: Any = print) -> dict[str, Any]:
+    """Check the data and the model, serve the tools, run the pipeline."""
+    from envs.finqa.demo_model import verify_model_pin
+    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
+
+    started = time.perf_counter()
+    if Path(config.model.base_model).resolve() == Path(__file__).resolve().parent / "model":
+        pin = verify_model_pin()
+        log(f"demo model: envs/finqa/model matches its pin (md5 {pin['md5']})")
+    ensure_data(config, log=log)
+    corpus = Path(config.data.train_file).parent / "corpus"
+    with tool_server(config, corpus) as base_url:
+        log(f"FinQA tool server: {base_url}")
+        state = agent_rft_pipeline(**pipeline_parameters(config, refresh), return_state=True)
+    outcome = state.result()
+    outcome["wall_s"] = time.perf_counter() - started
+    return outcome
