@@ -19,6 +19,14 @@ The one idea that shapes it: a failed call is either the *model's* fault or the
   then raise `InfraError`; an answer bigger than `max_body_bytes` raises at once. The
   caller marks the rollout `infra_error` and leaves it out of the loss.
 
+Busy servers are met halfway. `max_requests_per_second` spaces the requests to each
+endpoint URL (a token bucket of one token: no window sees more than the rate), and a 429
+or 503 with `Retry-After` (seconds or an HTTP date; OpenAI's `retry-after-ms` too) holds
+back every request to that endpoint until then, within the retry budget and never past
+the call's `timeout_s`. Pooled keep-alive connections expire before common servers close
+them, and a request that a reused connection drops before any answer is sent again at
+once, uncounted (see `_post_once`). `ToolClient.stats` counts what all this absorbed.
+
 Header values may name environment variables (`"Bearer ${FINQA_TOKEN}"`); they are
 resolved once, when the client is built, and the resolved values live only in a private
 attribute: they never appear in a repr, a log line or an exception message.
@@ -29,13 +37,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import random
 import re
 import time
 import uuid
+from collections import Counter
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlparse
@@ -57,6 +69,13 @@ _QUOTED_BODY_CHARS = 300
 # Shorter environment values (a region, a flag) are not secrets; scrubbing them would
 # garble outputs.
 _MIN_SECRET_CHARS = 8
+# Seconds an idle pooled connection is kept. Servers close idle keep-alive connections
+# after their own timeout (uvicorn, hypercorn, Node and Apache 5 s, gunicorn 2 s); a
+# client that keeps them as long (httpx's default is 5 s, the same as uvicorn's) sends
+# requests on connections the server is closing at that moment. Below 5 s with a margin
+# for a busy event loop on either side; reconnecting after 2 idle seconds costs one
+# round trip.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class ToolEndpoint(BaseModel):
@@ -128,12 +147,109 @@ def resolve_headers(headers: dict[str, str], *, where: str) -> dict[str, str]:
     return resolved
 
 
-class _InfraFailure(Exception):
-    """One failed attempt that is worth retrying; `reason` is safe to show."""
+def retry_after_s(headers: httpx.Headers) -> float | None:
+    """Seconds a 429 or 503 answer asks the client to wait: OpenAI's `retry-after-ms`,
+    else `Retry-After` as seconds or an HTTP date; None when absent or unreadable."""
+    millis = headers.get("retry-after-ms")
+    if millis is not None:
+        try:
+            seconds = float(millis) / 1000
+        except ValueError:
+            seconds = math.nan
+        if math.isfinite(seconds) and seconds >= 0:
+            return seconds
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:  # HTTP dates are GMT
+            when = when.replace(tzinfo=UTC)
+        return max(0.0, (when - datetime.now(UTC)).total_seconds())
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
-    def __init__(self, reason: str):
+
+class RateLimit:
+    """At most `rate` requests a second to one endpoint, and none while the server has
+    asked for a pause.
+
+    A token bucket that holds one token: requests leave at least 1/rate apart, timed from
+    when each one really left, so a stalled event loop sends fewer rather than a burst
+    and no window of any length sees more than rate x its length + 1 requests. Waiters
+    take turns in arrival order (asyncio.Lock is FIFO). `pause_until` holds every request
+    back until a time (a 429's Retry-After). `rate` None only honours pauses. Bound to the
+    event loop that first waits on it.
+    """
+
+    def __init__(self, rate: float | None):
+        if rate is not None and not rate > 0:
+            raise ConfigError(f"max_requests_per_second must be > 0 or None, got {rate}")
+        self.interval = 1.0 / rate if rate is not None else 0.0
+        self._lock = asyncio.Lock()
+        self._free_at = 0.0  # time.monotonic() before which no request leaves
+
+    async def wait(self) -> float:
+        """Wait for this request's turn; returns the seconds waited."""
+        start = time.monotonic()
+        if self.interval == 0 and self._free_at <= start and not self._lock.locked():
+            return 0.0
+        async with self._lock:
+            # A loop, not one sleep: a pause may come in while this request waits.
+            while (delay := self._free_at - time.monotonic()) > 0:
+                await asyncio.sleep(delay)
+            self._free_at = time.monotonic() + self.interval
+        return time.monotonic() - start
+
+    def pause_until(self, when: float) -> None:
+        """Send nothing before `when` (a time.monotonic() value)."""
+        self._free_at = max(self._free_at, when)
+
+
+@dataclass
+class ToolClientStats:
+    """What a client's retries and limits absorbed since it started; results do not show
+    it (a call that succeeded on its second attempt looks like any other)."""
+
+    requests: int = 0  # HTTP requests sent: every attempt and every stale-connection resend
+    failed_attempts: Counter[str] = field(default_factory=Counter)  # by kind: "HTTP 429", "ReadError", "timeout"...
+    stale_connection_resends: int = 0  # reused connections dropped before answering; resent at once
+    rate_limit_wait_s: float = 0.0  # waiting for turns and for the servers' Retry-After pauses
+    infra_errors: int = 0  # calls that raised InfraError
+
+
+class _InfraFailure(Exception):
+    """One failed attempt that is worth retrying; `reason` is safe to show, `kind` groups
+    it in the stats and `retry_after` is the wait the server asked for, if it did."""
+
+    def __init__(self, reason: str, kind: str, retry_after: float | None = None):
         super().__init__(reason)
         self.reason = reason
+        self.kind = kind
+        self.retry_after = retry_after
+
+
+class _StaleConnection(_InfraFailure):
+    """A pooled connection failed before any of the answer arrived."""
+
+
+class _ConnectionUse:
+    """httpcore's trace of one request: whether it opened a connection (else it reused a
+    pooled one) and whether the answer's status line and headers arrived."""
+
+    def __init__(self) -> None:
+        self.opened = False
+        self.answered = False
+
+    async def __call__(self, event: str, info: dict[str, Any]) -> None:
+        if event == "connection.connect_tcp.started":
+            self.opened = True
+        elif event.endswith("receive_response_headers.complete"):
+            self.answered = True
 
 
 class _ResponseTooLarge(Exception):
@@ -145,6 +261,7 @@ class _Tool:
     endpoint: ToolEndpoint
     headers: dict[str, str]  # resolved: holds secrets, never printed
     semaphore: asyncio.Semaphore
+    limit: RateLimit  # shared by the tools served at one URL
 
 
 class ToolClient:
@@ -157,8 +274,15 @@ class ToolClient:
     (DESIGN: "retried with backoff (3 tries)"), so the default sends at most 3 requests.
     Between attempts it waits `backoff_s * 2**(attempt-1)`, scaled by a jitter factor in
     [0.5, 1) drawn from a RNG seeded with `seed`, so that concurrent rollouts do not
-    retry in lockstep and runs stay reproducible. `timeout_s` is a deadline for each
-    attempt as a whole (OpenAI gives tools 10 minutes).
+    retry in lockstep and runs stay reproducible; or, when the answer carried
+    `Retry-After`, as long as the server asked, unless that would end past `timeout_s`
+    after the call began (then it raises at once). `timeout_s` is also a deadline for
+    each attempt as a whole (OpenAI gives tools 10 minutes).
+
+    `max_concurrency_per_endpoint` counts calls, and a call keeps its slot while it waits
+    to retry: retried calls then go before calls that have not started yet, instead of
+    starving behind them when a busy server pauses everyone. `max_requests_per_second`
+    (None: unlimited) limits each endpoint URL, the tools that share one URL together.
 
     Use one client inside one event loop (`async with ToolClient(...) as tools:`): its
     connection pool and semaphores belong to the loop that first uses them.
@@ -176,6 +300,8 @@ class ToolClient:
         max_concurrency_per_endpoint: int = 16,
         allowed_hosts: list[str] | None = None,
         max_body_bytes: int = 1_000_000,
+        max_requests_per_second: float | None = None,
+        keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S,
         seed: int = 0,
     ):
         for key, value, ok, rule in (
@@ -190,6 +316,13 @@ class ToolClient:
                 ">= 1",
             ),
             ("max_body_bytes", max_body_bytes, max_body_bytes >= 1, ">= 1"),
+            (
+                "max_requests_per_second",
+                max_requests_per_second,
+                max_requests_per_second is None or max_requests_per_second > 0,
+                "> 0 or None (unlimited)",
+            ),
+            ("keepalive_expiry_s", keepalive_expiry_s, keepalive_expiry_s >= 0, ">= 0"),
         ):
             if not ok:
                 raise ConfigError(f"tool client: {key} must be {rule}, got {value}")
@@ -198,9 +331,12 @@ class ToolClient:
         self.backoff_s = backoff_s
         self.max_output_chars = max_output_chars
         self.max_body_bytes = max_body_bytes
+        self.max_requests_per_second = max_requests_per_second
+        self.stats = ToolClientStats()
         self._rng = random.Random(seed)
 
         self._tools: dict[str, _Tool] = {}
+        limits: dict[str, RateLimit] = {}
         secrets: set[str] = set()
         for i, endpoint in enumerate(endpoints):
             where = f"tools.endpoints[{i}]"
@@ -212,10 +348,13 @@ class ToolClient:
                     f"{where}.server_url: host {host!r} of tool {endpoint.name!r} is not in "
                     f"allowed_hosts {allowed_hosts}; add it there or fix the URL"
                 )
+            if endpoint.server_url not in limits:
+                limits[endpoint.server_url] = RateLimit(max_requests_per_second)
             self._tools[endpoint.name] = _Tool(
                 endpoint=endpoint,
                 headers=resolve_headers(endpoint.headers, where=f"{where}.headers"),
                 semaphore=asyncio.Semaphore(max_concurrency_per_endpoint),
+                limit=limits[endpoint.server_url],
             )
             secrets.update(
                 os.environ[var]
@@ -234,7 +373,11 @@ class ToolClient:
         pool = max_concurrency_per_endpoint * max(len(self._tools), 1)
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
+            limits=httpx.Limits(
+                max_connections=pool,
+                max_keepalive_connections=pool,
+                keepalive_expiry=keepalive_expiry_s,
+            ),
         )
         # Values that came from the environment are scrubbed from every text taken from
         # a server (outputs, error texts), so that an echoing server cannot carry a
@@ -254,6 +397,7 @@ class ToolClient:
             max_output_chars=tools.max_output_chars,
             max_concurrency_per_endpoint=tools.max_concurrency_per_endpoint,
             allowed_hosts=tools.allowed_hosts,
+            max_requests_per_second=tools.max_requests_per_second,
             seed=seed,
         )
 
@@ -264,7 +408,8 @@ class ToolClient:
             for t in self._tools.values()
         )
         return (
-            f"ToolClient({endpoints}; max_retries={self.max_retries}, timeout_s={self.timeout_s})"
+            f"ToolClient({endpoints}; max_retries={self.max_retries}, timeout_s={self.timeout_s}, "
+            f"max_requests_per_second={self.max_requests_per_second})"
         )
 
     async def __aenter__(self) -> ToolClient:
@@ -399,23 +544,44 @@ class ToolClient:
     async def _post_with_retries(self, tool: _Tool, content: bytes) -> tuple[int, str, int]:
         """POST until a 2xx or model-fault 4xx; returns (status, output or error text, attempts)."""
         endpoint = tool.endpoint
-        for attempt in range(1, self.max_retries + 1):
-            try:
-                async with tool.semaphore:
-                    status, text = await self._post_once(tool, content)
-                return status, text, attempt
-            except _ResponseTooLarge:
-                raise InfraError(
-                    f"tool endpoint {endpoint.name!r} ({endpoint.server_url}) answered more than "
-                    f"max_body_bytes={self.max_body_bytes} bytes; make the tool return less or "
-                    "raise max_body_bytes",
-                    endpoint=endpoint.name,
-                    attempts=attempt,
-                ) from None
-            except _InfraFailure as failure:
-                reason = self._scrub(failure.reason)
-            if attempt < self.max_retries:
-                delay = self.backoff_s * 2 ** (attempt - 1) * (0.5 + 0.5 * self._rng.random())
+        started = time.monotonic()
+        async with tool.semaphore:
+            for attempt in range(1, self.max_retries + 1):
+                self.stats.rate_limit_wait_s += await tool.limit.wait()
+                try:
+                    status, text = await self._send(tool, content)
+                    return status, text, attempt
+                except _ResponseTooLarge:
+                    self.stats.infra_errors += 1
+                    raise InfraError(
+                        f"tool endpoint {endpoint.name!r} ({endpoint.server_url}) answered more than "
+                        f"max_body_bytes={self.max_body_bytes} bytes; make the tool return less or "
+                        "raise max_body_bytes",
+                        endpoint=endpoint.name,
+                        attempts=attempt,
+                    ) from None
+                except _InfraFailure as failure:
+                    self.stats.failed_attempts[failure.kind] += 1
+                    reason = self._scrub(failure.reason)
+                    asked = failure.retry_after
+                if attempt == self.max_retries:
+                    break
+                if asked is None:
+                    delay = self.backoff_s * 2 ** (attempt - 1) * (0.5 + 0.5 * self._rng.random())
+                else:
+                    delay = asked
+                    if time.monotonic() - started + asked > self.timeout_s:
+                        self.stats.infra_errors += 1
+                        raise InfraError(
+                            f"tool endpoint {endpoint.name!r} ({endpoint.server_url}) asked to retry "
+                            f"after {asked:g} s ({reason}), past timeout_s={self.timeout_s:g} for the "
+                            "call; lower the request rate (tools.max_requests_per_second) or raise "
+                            "tools.timeout_s",
+                            endpoint=endpoint.name,
+                            attempts=attempt,
+                        )
+                    # The server spoke for the endpoint, not for this call alone.
+                    tool.limit.pause_until(time.monotonic() + asked)
                 logger.warning(
                     "tool %s attempt %d/%d failed (%s); retrying in %.2f s",
                     endpoint.name,
@@ -424,7 +590,9 @@ class ToolClient:
                     reason,
                     delay,
                 )
-                await asyncio.sleep(delay)
+                if asked is None:
+                    await asyncio.sleep(delay)  # a Retry-After pause is waited out in limit.wait()
+        self.stats.infra_errors += 1
         raise InfraError(
             f"tool endpoint {endpoint.name!r} ({endpoint.server_url}) failed after "
             f"{self.max_retries} attempts; last: {reason}. Check that the tool server is "
@@ -433,37 +601,76 @@ class ToolClient:
             attempts=self.max_retries,
         )
 
+    async def _send(self, tool: _Tool, content: bytes) -> tuple[int, str]:
+        """One attempt, plus one immediate resend when a reused connection had gone stale."""
+        try:
+            return await self._post_once(tool, content)
+        except _StaleConnection as stale:
+            self.stats.stale_connection_resends += 1
+            logger.info(
+                "tool %s: a pooled connection closed before answering (%s); sent again at once",
+                tool.endpoint.name,
+                stale.reason,
+            )
+        try:
+            return await self._post_once(tool, content)
+        except _StaleConnection as stale:
+            raise _InfraFailure(stale.reason, stale.kind) from None
+
     async def _post_once(self, tool: _Tool, content: bytes) -> tuple[int, str]:
-        """One attempt: (status, output) for a good 2xx, (status, body) for a model-fault 4xx."""
+        """One request: (status, output) for a good 2xx, (status, body) for a model-fault 4xx.
+
+        A request that fails on a *reused* connection before any of the answer arrived
+        raises _StaleConnection, which `_send` resends at once without counting an attempt:
+        the server closed that idle keep-alive connection just as the request left (the
+        keep-alive race), so it never saw the request. Expiring idle connections before
+        the server does (KEEPALIVE_EXPIRY_S) prevents the race with common servers; the
+        resend covers servers with shorter timeouts and proxies that drop idle
+        connections. A resend may run a call twice only where the failure was something
+        else on the server's side, which the counted retries already risk.
+        """
         headers = {"Content-Type": "application/json", **tool.headers}
+        use = _ConnectionUse()
+        self.stats.requests += 1
         try:
             # httpx's timeouts are per operation (connect, each read); this makes the
             # attempt as a whole meet the deadline even if the server trickles bytes.
             async with asyncio.timeout(self.timeout_s):
                 async with self._http.stream(
-                    "POST", tool.endpoint.server_url, content=content, headers=headers
+                    "POST",
+                    tool.endpoint.server_url,
+                    content=content,
+                    headers=headers,
+                    extensions={"trace": use},
                 ) as response:
                     raw = await self._read_capped(response)
         except (TimeoutError, httpx.TimeoutException):
-            raise _InfraFailure(f"timed out after {self.timeout_s} s") from None
+            raise _InfraFailure(f"timed out after {self.timeout_s} s", "timeout") from None
         except httpx.RequestError as exc:
-            raise _InfraFailure(f"{type(exc).__name__}: {exc}") from None
+            kind = type(exc).__name__
+            stale = not use.opened and not use.answered
+            raise (_StaleConnection if stale else _InfraFailure)(f"{kind}: {exc}", kind) from None
 
         text = raw.decode(response.encoding or "utf-8", errors="replace")
         status = response.status_code
         if 400 <= status < 500 and status not in _RETRIED_4XX:
             return status, self._scrub(text)
         if not 200 <= status < 300:
-            raise _InfraFailure(f"HTTP {status}: {text[:_QUOTED_BODY_CHARS]}")
+            raise _InfraFailure(
+                f"HTTP {status}: {text[:_QUOTED_BODY_CHARS]}",
+                f"HTTP {status}",
+                retry_after_s(response.headers),
+            )
         try:
             answer = json.loads(text)
         except json.JSONDecodeError:
             raise _InfraFailure(
-                f"HTTP {status} answer is not JSON: {text[:_QUOTED_BODY_CHARS]!r}"
+                f"HTTP {status} answer is not JSON: {text[:_QUOTED_BODY_CHARS]!r}", "bad answer"
             ) from None
         if not isinstance(answer, dict) or not isinstance(answer.get("output"), str):
             raise _InfraFailure(
-                f'HTTP {status} answer lacks a string "output": {text[:_QUOTED_BODY_CHARS]!r}'
+                f'HTTP {status} answer lacks a string "output": {text[:_QUOTED_BODY_CHARS]!r}',
+                "bad answer",
             )
         return status, self._scrub(answer["output"])
 

@@ -2,7 +2,8 @@
 
 The server is a small FastAPI app run by uvicorn in a background thread; it records every
 request it receives, so the tests can check the wire body, the headers, how many attempts
-arrived and when each call ran.
+arrived and when each call ran. The keep-alive race is played by a raw-socket server
+that drops a connection the way a server whose keep-alive timer fires does.
 """
 
 from __future__ import annotations
@@ -12,10 +13,16 @@ import json
 import logging
 import re
 import socket
+import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
@@ -23,12 +30,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from trainer.errors import ConfigError, DataError, InfraError
 from trainer.tools import (
+    RateLimit,
     ToolCallResult,
     ToolClient,
     ToolEndpoint,
     new_call_id,
     new_trace_id,
     resolve_headers,
+    retry_after_s,
 )
 
 SECRET = "s3cr3t-token-0123456789"
@@ -61,6 +70,7 @@ SCHEMAS = [
     _schema("big", {}),
     _schema("long", {}),
     _schema("notfound", {"path": {"type": "string"}}, ["path"]),
+    _schema("busy", {"fails": {"type": "integer"}, "wait": {"type": "string"}, "header": {"type": "string"}}),
 ]
 TOOL_NAMES = [s["function"]["name"] for s in SCHEMAS]
 
@@ -68,7 +78,7 @@ TOOL_NAMES = [s["function"]["name"] for s in SCHEMAS]
 def make_app() -> tuple[FastAPI, dict]:
     """The test tool server; `log` holds what it received, keyed by call_id."""
     app = FastAPI()
-    log: dict = {"requests": {}, "attempts": Counter(), "intervals": {}}
+    log: dict = {"requests": {}, "attempts": Counter(), "intervals": {}, "arrivals": {}}
 
     async def receive(request: Request) -> dict:
         body = await request.json()
@@ -78,6 +88,7 @@ def make_app() -> tuple[FastAPI, dict]:
             "headers": dict(request.headers),
         }
         log["attempts"][body["call_id"]] += 1
+        log["arrivals"].setdefault(body["call_id"], []).append(time.monotonic())
         return body
 
     def reply(body: dict, output: str) -> dict:
@@ -138,6 +149,15 @@ def make_app() -> tuple[FastAPI, dict]:
     async def long(request: Request) -> dict:
         body = await receive(request)
         return reply(body, "y" * 10_000)
+
+    @app.post("/busy")
+    async def busy(request: Request):
+        # 429 with a Retry-After header for the first `fails` attempts of a call
+        body = await receive(request)
+        args = json.loads(body["arguments"])
+        if log["attempts"][body["call_id"]] <= args["fails"]:
+            return PlainTextResponse("slow down", status_code=429, headers={args["header"]: args["wait"]})
+        return reply(body, "served")
 
     @app.post("/notfound")
     async def notfound(request: Request) -> dict:
@@ -490,3 +510,260 @@ def test_item_tools_are_used_when_no_schemas_are_configured(server):
     assert ok.error is None
     assert bad.error == "invalid_arguments"
     assert hidden.error == "unknown_tool" and hidden.output.endswith("available tools: echo")
+
+
+# --- busy servers: Retry-After and rate limits -------------------------------------------
+
+
+def test_retry_after_forms():
+    assert retry_after_s(httpx.Headers({"Retry-After": "2"})) == 2.0
+    assert retry_after_s(httpx.Headers({"Retry-After": "0.5"})) == 0.5
+    assert retry_after_s(httpx.Headers({"retry-after-ms": "250", "Retry-After": "9"})) == 0.25
+    in_a_minute = format_datetime(datetime.now(UTC) + timedelta(seconds=60), usegmt=True)
+    assert 55 < retry_after_s(httpx.Headers({"Retry-After": in_a_minute})) <= 60
+    past = format_datetime(datetime.now(UTC) - timedelta(seconds=60), usegmt=True)
+    assert retry_after_s(httpx.Headers({"Retry-After": past})) == 0.0
+    for junk in ("soon", "-3", "nan", ""):
+        assert retry_after_s(httpx.Headers({"Retry-After": junk})) is None
+    assert retry_after_s(httpx.Headers({})) is None
+
+
+def busy(fails: int, wait: str, header: str = "Retry-After") -> str:
+    return json.dumps({"fails": fails, "wait": wait, "header": header})
+
+
+def test_429_waits_as_long_as_retry_after_asks(server):
+    base_url, log = server
+    seconds = call(base_url, "busy", busy(1, "1"), backoff_s=0.01)
+    assert seconds.error is None and seconds.output == "served" and seconds.attempts == 2
+    first, second = log["arrivals"][seconds.call_id]
+    assert second - first >= 1.0  # not the 0.01 s backoff
+
+    when = format_datetime(datetime.now(UTC) + timedelta(seconds=2), usegmt=True)
+    dated = call(base_url, "busy", busy(1, when), backoff_s=0.01)
+    first, second = log["arrivals"][dated.call_id]
+    assert dated.attempts == 2 and second - first >= 0.9  # an HTTP date has whole seconds
+
+    millis = call(base_url, "busy", busy(2, "300", "retry-after-ms"), backoff_s=0.01)
+    arrivals = log["arrivals"][millis.call_id]
+    assert millis.attempts == 3
+    assert all(later - earlier >= 0.3 for earlier, later in zip(arrivals, arrivals[1:], strict=False))
+
+
+def test_retry_after_never_goes_past_the_timeout_or_the_attempts(server):
+    base_url, log = server
+
+    async def go(arguments: str, **options) -> tuple[ToolClient, InfraError, float]:
+        async with ToolClient(endpoints(base_url), SCHEMAS, backoff_s=0.01, **options) as client:
+            start = time.perf_counter()
+            with pytest.raises(InfraError) as failure:
+                await client.call("busy", arguments, item=ITEM, trace_id="t", call_id=arguments)
+            return client, failure.value, time.perf_counter() - start
+
+    client, failure, took = asyncio.run(go(busy(5, "30"), timeout_s=5))
+    assert took < 5  # gave up at once rather than sleep past the deadline
+    assert failure.attempts == 1 and log["attempts"][busy(5, "30")] == 1
+    assert "asked to retry after 30 s" in str(failure) and "timeout_s=5" in str(failure)
+    assert client.stats.failed_attempts == Counter({"HTTP 429": 1}) and client.stats.infra_errors == 1
+
+    client, failure, _ = asyncio.run(go(busy(5, "150", "retry-after-ms"), max_retries=2))
+    assert failure.attempts == 2 and "failed after 2 attempts" in str(failure)
+    assert "HTTP 429: slow down" in str(failure)
+
+
+def test_retry_after_pauses_the_whole_endpoint(server):
+    base_url, log = server
+
+    async def go() -> None:
+        async with ToolClient(endpoints(base_url), SCHEMAS, backoff_s=0.01) as client:
+            paused = asyncio.create_task(
+                client.call("busy", busy(1, "600", "retry-after-ms"), item=ITEM, trace_id="t", call_id="call_paused")
+            )
+            while "call_paused" not in log["arrivals"]:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # the 429 is back at the client by now
+            other, echo = await asyncio.gather(
+                client.call("busy", busy(0, "0"), item=ITEM, trace_id="t", call_id="call_other"),
+                client.call("echo", '{"query": "q"}', item=ITEM, trace_id="t", call_id="call_echo"),
+            )
+            assert other.attempts == echo.attempts == 1 and (await paused).attempts == 2
+
+    asyncio.run(go())
+    refused = log["arrivals"]["call_paused"][0]
+    assert log["arrivals"]["call_other"][0] - refused >= 0.6  # it waited for the pause too
+    # the pause held back only the endpoint that asked for it
+    assert log["arrivals"]["call_echo"][0] - refused < 0.6
+
+
+def test_rate_limit_spaces_requests(server):
+    base_url, log = server
+    rate, n = 20.0, 30
+    ids = [f"call_rate_{i}" for i in range(n)]
+
+    async def go() -> ToolClient:
+        async with ToolClient(endpoints(base_url), SCHEMAS, max_requests_per_second=rate) as client:
+            await asyncio.gather(
+                *(client.call("echo", '{"query": "q"}', item=ITEM, trace_id="t", call_id=cid) for cid in ids)
+            )
+            return client
+
+    client = asyncio.run(go())
+    arrivals = sorted(log["arrivals"][cid][0] for cid in ids)
+    # departures are at least 1/rate apart; arrivals may bunch by the loopback's jitter
+    assert arrivals[-1] - arrivals[0] >= (n - 1) / rate - 0.05
+    assert client.stats.rate_limit_wait_s > 0
+    assert client.stats.requests == n and not client.stats.failed_attempts
+
+
+def test_rate_limit_is_per_url_and_validated():
+    with pytest.raises(ConfigError, match="max_requests_per_second must be > 0"):
+        ToolClient([], None, max_requests_per_second=0)
+    shared = [
+        ToolEndpoint(name="echo", server_url="http://127.0.0.1:9/call"),
+        ToolEndpoint(name="long", server_url="http://127.0.0.1:9/call"),
+        ToolEndpoint(name="big", server_url="http://127.0.0.1:9/big"),
+    ]
+    client = ToolClient(shared, None, max_requests_per_second=5)
+    limits = {name: tool.limit for name, tool in client._tools.items()}
+    assert limits["echo"] is limits["long"] and limits["big"] is not limits["echo"]
+    assert limits["echo"].interval == 0.2
+
+
+def test_rate_limit_never_bursts_after_a_stall():
+    """A blocked event loop wakes every waiter at once; they still leave 1/rate apart."""
+
+    async def go() -> list[float]:
+        limit = RateLimit(50.0)
+        left: list[float] = []
+
+        async def one() -> None:
+            await limit.wait()
+            left.append(time.monotonic())
+
+        tasks = [asyncio.create_task(one()) for _ in range(6)]
+        await asyncio.sleep(0)
+        time.sleep(0.2)  # the loop stalls while every turn comes due
+        await asyncio.gather(*tasks)
+        return left
+
+    left = asyncio.run(go())
+    assert all(b - a >= 0.02 - 1e-3 for a, b in zip(left, left[1:], strict=False))
+
+
+# --- the keep-alive race ----------------------------------------------------------------
+
+
+def _read_request(conn: socket.socket, buffer: bytes) -> tuple[bytes | None, bytes]:
+    """One HTTP/1.1 request (head and body) from `conn`; None when the client closed."""
+    while b"\r\n\r\n" not in buffer:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None, b""
+        buffer += chunk
+    head, _, rest = buffer.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(rest) < length:
+        rest += conn.recv(65536)
+    return head + b"\r\n\r\n" + rest[:length], rest[length:]
+
+
+@contextmanager
+def raw_server(serve: Callable[[socket.socket, list], None]) -> Iterator[tuple[str, list]]:
+    """A TCP server on loopback running `serve(connection, log)` per connection."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    log: list = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn, log), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", log
+    finally:
+        listener.close()
+
+
+def _answer(conn: socket.socket) -> None:
+    body = json.dumps({"type": "function_call_output", "call_id": "c", "id": "i", "output": "ok"}).encode()
+    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                 % (len(body), body))
+
+
+def keepalive_race(how: str) -> Callable[[socket.socket, list], None]:
+    """Answer a connection's first request and keep it open; when the next request on it
+    arrives, close it unanswered, as a server whose keep-alive timer fired at that moment
+    does: after reading it (`fin`, the client reads end of stream) or with it unread
+    (`rst`, the kernel resets the connection)."""
+
+    def serve(conn: socket.socket, log: list) -> None:
+        with conn:
+            request, buffer = _read_request(conn, b"")
+            if request is None:
+                return
+            log.append("answered")
+            _answer(conn)
+            if how == "fin":
+                if _read_request(conn, buffer)[0] is not None:
+                    log.append("dropped")
+            else:
+                if conn.recv(1, socket.MSG_PEEK):
+                    log.append("dropped")
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    return serve
+
+
+@pytest.mark.parametrize(("how", "error"), [("fin", "RemoteProtocolError"), ("rst", "ReadError")])
+def test_stale_keepalive_connection_is_resent_at_once_uncounted(how, error, caplog):
+    caplog.set_level(logging.INFO, logger="trainer.tools")
+    with raw_server(keepalive_race(how)) as (base_url, log):
+
+        async def go() -> tuple[ToolClient, list[ToolCallResult]]:
+            async with ToolClient(endpoints(base_url), SCHEMAS, backoff_s=0.5) as client:
+                first = await client.call("echo", '{"query": "q"}', item=ITEM, trace_id="t")
+                start = time.perf_counter()
+                second = await client.call("echo", '{"query": "q"}', item=ITEM, trace_id="t")
+                assert time.perf_counter() - start < 0.5  # no backoff
+                return client, [first, second]
+
+        client, results = asyncio.run(go())
+    assert [r.output for r in results] == ["ok", "ok"] and [r.attempts for r in results] == [1, 1]
+    assert log == ["answered", "dropped", "answered"]  # the resend went on a new connection
+    assert client.stats.stale_connection_resends == 1 and client.stats.requests == 3
+    assert not client.stats.failed_attempts
+    assert f"before answering ({error}: " in caplog.text and "sent again at once" in caplog.text
+    assert "retrying" not in caplog.text
+
+
+def test_connection_dropped_on_a_fresh_connection_is_a_counted_failure():
+    def drop(conn: socket.socket, log: list) -> None:
+        with conn:
+            if _read_request(conn, b"")[0] is not None:
+                log.append("dropped")
+
+    with raw_server(drop) as (base_url, log):
+
+        async def go() -> ToolClient:
+            async with ToolClient(endpoints(base_url), SCHEMAS, backoff_s=0.01) as client:
+                with pytest.raises(InfraError, match="RemoteProtocolError"):
+                    await client.call("echo", '{"query": "q"}', item=ITEM, trace_id="t")
+                return client
+
+        client = asyncio.run(go())
+    assert log == ["dropped"] * 3
+    assert client.stats.stale_connection_resends == 0
+    assert client.stats.failed_attempts == Counter({"RemoteProtocolError": 3})
+
+
+def test_idle_connections_expire_before_the_servers_keepalive(server):
+    """httpx keeps idle connections 5 s by default, exactly uvicorn's keep-alive timeout."""
+    base_url, _ = server
+    client = ToolClient(endpoints(base_url), SCHEMAS)
+    assert client._http._transport._pool._keepalive_expiry < 5.0

@@ -1,9 +1,9 @@
 """Knobs of the grading machinery that are not part of a grader's JSON object.
 
 A grader object says *what* to grade (OpenAI's format, portable); the context says
-*how this machine runs it*: the local embedding model for `cosine`, HTTP timeouts and
-retries for the judge and endpoint graders, the python grader's time and memory limits,
-and which hosts graders may call. Every field has a default that works offline.
+*how this machine runs it*: the local embedding model for `cosine`, HTTP timeouts,
+retries and rate limits for the judge and endpoint graders, the python grader's time
+and memory limits, and which hosts graders may call. Every field has a default that works offline.
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ class GraderContext:
     http_attempts: int = 3
     """Tries for a request that fails for infrastructure reasons (5xx, timeout, refused)."""
     retry_backoff_s: float = 0.5
-    """Wait before the second try; doubled before each further one."""
+    """Wait before the second try; doubled before each further one. A 429 or 503 answer
+    with `Retry-After` waits as long as it asks instead, unless that ends past
+    `http_timeout_s` after the first try (then the grader errs at once)."""
+    max_requests_per_second: float | None = None
+    """Rate limit per grader URL (the judge's or the endpoint's), shared by the graders
+    that run in one event loop; None: unlimited. Requests leave at least 1/rate apart."""
     python_timeout_s: float = 10.0
     """Wall-time limit of one python grader run (OpenAI allows 2 minutes; a reward in
     an RL loop should be fast, raise it here when a grader needs more)."""
