@@ -3,30 +3,42 @@
 A resumable checkpoint is a directory `checkpoints/step_N/` holding
 `accelerate/` (what `Accelerator.save_state` writes: model, optimizer, per-process RNG) and
 `trainer_state.json` (the step, the data order and position, the epoch, the metrics so far,
-the best-checkpoint list and every process's python/numpy/torch RNG state). The JSON is
-written last and the directory is renamed into place only then, so a directory named
-`step_N` with a state file is always complete; older ones are removed, and `--resume`
-takes the newest. With the per-step sampling seeds of the trainer this is enough for a
-resumed CPU run to reproduce an uninterrupted one.
+the best-checkpoint list and every process's python/numpy/torch RNG state). With the
+per-step sampling seeds of the trainer this is enough for a resumed CPU run to reproduce
+an uninterrupted one.
 
 Separately, the `keep` best models by eval score are kept as plain model directories
 (`best/step_N/`, `save_pretrained` plus the tokenizer, LoRA adapters merged), which is
 what OpenAI's fine-tuning keeps and what the evaluation and promotion stages load.
+
+Every directory is written the same way, so that a full disk or a crash can never leave
+a half-written one where a complete one was: the files go to `<name>.partial` beside the
+target, are flushed to disk (`fsync`: some filesystems report a full disk only then),
+and the directory is renamed into place; what it replaces is removed only after that,
+and older checkpoints only after the new one is in place. A failed write (ENOSPC or any
+other OSError) removes the partial directory and raises `StorageError` naming the path,
+the space the write needed and what is free, with the previous checkpoint or model
+intact: `--resume` continues from the last checkpoint once space is freed.
 """
 
 from __future__ import annotations
 
 import base64
 import copy
+import errno
 import json
+import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from trainer.errors import StorageError
 
 STATE_FILE = "trainer_state.json"
 ACCELERATE_DIR = "accelerate"
@@ -86,23 +98,40 @@ def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
 
 def save_checkpoint(accelerator: Any, checkpoints_dir: Path, step: int, state: dict[str, Any]) -> Path:
     """Write `checkpoints_dir/step_<step>` and remove the older ones. Every process must
-    call it (FSDP and DeepSpeed save shards from each rank); the main process writes the
-    JSON `state` plus every process's RNG state."""
+    call it (FSDP and DeepSpeed save shards from each rank, every rank its RNG state);
+    the main process writes the JSON `state` plus every process's RNG state. A failed
+    write raises StorageError on every process and leaves the previous checkpoint as it was."""
     from accelerate.utils import gather_object
 
     final = checkpoints_dir / f"step_{step}"
-    partial = checkpoints_dir / f"step_{step}.partial"
-    if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial / ACCELERATE_DIR))
+    partial = _partial(final)
+    previous = latest_checkpoint(checkpoints_dir)
+    main = accelerator.is_main_process
+    # Each stage ends with every rank learning whether any rank failed (gather_object is
+    # also the barrier), so no rank writes into a directory that is gone or waits for
+    # one that stopped.
+    failure = _attempt(_fresh_dir, partial) if main else None
+    failure = _first(gather_object([failure]))
+    if failure is None:
+        failure = _attempt(accelerator.save_state, str(partial / ACCELERATE_DIR))
     rngs = gather_object([rng_state()])
-    if accelerator.is_main_process:
-        record = {**state, "step": step, "rng": rngs}
-        (partial / STATE_FILE).write_text(json.dumps(record))
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
+    failure = _first(gather_object([failure]))
+    if failure is None and main:
+
+        def finish() -> None:
+            # The JSON last: a directory named step_N with a state file is always complete.
+            (partial / STATE_FILE).write_text(json.dumps({**state, "step": step, "rng": rngs}))
+            _publish(partial, final)
+
+        failure = _attempt(finish)
+    failure = _first(gather_object([failure]))
+    if failure is not None:
+        kept = (f"The previous checkpoint {previous} is intact and --resume continues from it"
+                if previous is not None else "There is no earlier checkpoint to resume from")
+        needed = _tree_bytes(previous) if previous is not None else None
+        raise _write_failed(failure, f"checkpoint {final}", final, needed, "the previous checkpoint",
+                            kept, remove=main)
+    if main:
         for other in checkpoints_dir.iterdir():
             if other != final and other.name.startswith("step_"):
                 shutil.rmtree(other, ignore_errors=True)
@@ -128,21 +157,162 @@ def load_checkpoint(accelerator: Any, path: Path) -> dict[str, Any]:
 def save_model(accelerator: Any, model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
     """Write a directory that `AutoModelForCausalLM.from_pretrained` loads: the weights
     (LoRA adapters merged into them) and the tokenizer. Every process must call it (FSDP
-    and DeepSpeed gather the full weights); the main process writes."""
+    and DeepSpeed gather the full weights); the main process writes. A failed write raises
+    StorageError on every process and leaves what was at `path` as it was."""
+    from accelerate.utils import gather_object
     from peft import PeftModel
 
     unwrapped = accelerator.unwrap_model(model)
     is_lora = isinstance(unwrapped, PeftModel)
     state_dict = None if is_lora else accelerator.get_state_dict(model)
+    partial = _partial(path)
+    existed = path.is_dir()
+    failure = None
     if accelerator.is_main_process:
-        shutil.rmtree(path, ignore_errors=True)
-        if is_lora:
-            # Merge a copy: the training model keeps its separate adapters.
-            copy.deepcopy(unwrapped).merge_and_unload().save_pretrained(path)
+
+        def write() -> None:
+            _fresh_dir(partial)
+            if is_lora:
+                # Merge a copy: the training model keeps its separate adapters.
+                copy.deepcopy(unwrapped).merge_and_unload().save_pretrained(partial)
+            else:
+                unwrapped.save_pretrained(partial, state_dict=state_dict)
+            tokenizer.save_pretrained(partial)
+            _publish(partial, path)
+
+        failure = _attempt(write)
+    failure = _first(gather_object([failure]))
+    if failure is not None:
+        if existed:
+            needed, basis = _tree_bytes(path), "the model directory it replaces"
         else:
-            unwrapped.save_pretrained(path, state_dict=state_dict)
-        tokenizer.save_pretrained(path)
-    accelerator.wait_for_everyone()
+            needed, basis = _parameter_bytes(unwrapped), "the model's weights"
+        kept = f"The model directory at {path} is intact" if existed else f"Nothing was left at {path}"
+        raise _write_failed(failure, f"model directory {path}", path, needed, basis, kept,
+                            remove=accelerator.is_main_process)
+
+
+# --- writing directories whole ----------------------------------------------------------
+
+
+def _partial(target: Path) -> Path:
+    """Where `target` is written before it is renamed into place: beside it, on the same
+    filesystem (a rename across filesystems is a copy, not atomic)."""
+    return target.with_name(target.name + ".partial")
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)  # left by a run that was killed mid-write
+    path.mkdir(parents=True)
+
+
+def _publish(partial: Path, target: Path) -> None:
+    """Flush `partial` to disk, then rename it to `target`, replacing what was there."""
+    _fsync_tree(partial)
+    old = target.with_name(target.name + ".old")
+    if target.exists():
+        # A directory cannot be renamed over a non-empty one: the old one steps aside
+        # first and comes back if the second rename fails. Only a crash between the two
+        # renames leaves no `target`, with the old one complete at `<name>.old`.
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+        try:
+            partial.rename(target)
+        except OSError:
+            old.rename(target)
+            raise
+    else:
+        partial.rename(target)
+    _fsync(target.parent)  # the rename itself
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # directories too, on POSIX
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root`. A rename without it can publish files
+    whose blocks are not yet written, and some filesystems (NFS, quotas, XFS with delayed
+    allocation) report a full disk only here, not at write()."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(directory) / name)
+        _fsync(Path(directory))
+
+
+def _attempt(write: Callable[..., object], *args: Any) -> tuple[int | None, str] | None:
+    """Run `write(*args)`; None when it succeeded, else the OSError as (errno, text), a
+    form that gather_object can carry to the other processes."""
+    try:
+        write(*args)
+    except OSError as exc:
+        return exc.errno, str(exc)
+    return None
+
+
+def _first(failures: list[tuple[int | None, str] | None]) -> tuple[int | None, str] | None:
+    return next((failure for failure in failures if failure is not None), None)
+
+
+def _write_failed(
+    failure: tuple[int | None, str],
+    what: str,
+    target: Path,
+    needed: int | None,
+    basis: str,
+    kept: str,
+    *,
+    remove: bool,
+) -> StorageError:
+    """The StorageError for a failed write of `what` to `target`; removes the partial
+    directory (on the process that wrote it) after measuring what had been written."""
+    code, text = failure
+    partial = _partial(target)
+    written = _tree_bytes(partial) if partial.exists() else 0
+    if remove:
+        shutil.rmtree(partial, ignore_errors=True)
+    where = target.parent
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        if needed:
+            amount = f"at least {_size(needed)} (the size of {basis})"
+        else:
+            amount = f"more than the {_size(written)} written before it filled"
+        message = (
+            f"writing {what} failed: {text}. {kept}. The disk holding {where} is full "
+            f"({_size(_free_bytes(where))} free): free {amount} there, or point the output "
+            "directory at a larger disk, and run again."
+        )
+    else:
+        message = f"writing {what} failed: {text}. {kept}. Fix the cause for {where} and run again."
+    return StorageError(message, path=str(target), needed_bytes=needed)
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(file.stat().st_size for file in root.rglob("*") if file.is_file())
+
+
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _size(n_bytes: float) -> str:
+    if n_bytes < 1024:
+        return f"{n_bytes:.0f} bytes"
+    power = 1
+    while power < 4 and n_bytes >= 1024 ** (power + 1):
+        power += 1
+    return f"{n_bytes / 1024**power:.1f} {('KiB', 'MiB', 'GiB', 'TiB')[power - 1]}"
 
 
 @dataclass

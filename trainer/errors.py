@@ -29,3 +29,14 @@ class InfraError(AgentRFTError):
         super().__init__(message)
         self.endpoint = endpoint
         self.attempts = attempts
+
+
+class StorageError(InfraError):
+    """Writing a checkpoint or a model directory failed (a full disk, a quota, a
+    read-only mount): the message names the path and what to free; whatever was there
+    before the write is intact."""
+
+    def __init__(self, message: str, *, path: str, needed_bytes: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.needed_bytes = needed_bytes
