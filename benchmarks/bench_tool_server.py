@@ -1,7 +1,9 @@
 """Benchmark of the FinQA tool server: search latency, throughput under open-loop load,
-and the largest request rate it sustains with p99 under 200 ms.
+the largest request rate it sustains with p99 under 200 ms, and a soak through the real
+tool client.
 
   python benchmarks/bench_tool_server.py --duration 60 --json bench_tool_server.json
+  python benchmarks/bench_tool_server.py --soak-only --soak-seconds 600
 
 (a) Search latency p50/p95 on the demo corpus (`data/corpus`, else generated) and on a
     synthetic 100,000-page corpus, measured in-process through `SearchIndex` and over
@@ -14,6 +16,12 @@ and the largest request rate it sustains with p99 under 200 ms.
 (c) Rates 50, 100, 200, 400, ... for `--max-rate-step-s` seconds each, up to the first
     one whose p99 is 200 ms or more (or that has errors); the last one that held is
     reported (0 when the first step already failed).
+(d) Soak: `--soak-seconds` (default 600) at `--soak-rate` (default 50, what OpenAI asks
+    tool servers to take) through the project's `ToolClient` with the pipeline's default
+    tool settings, open loop as in (b). It counts what the client's retries would hide:
+    attempts that failed with `ReadError` / `RemoteProtocolError` (a pooled keep-alive
+    connection the server had just closed), stale-connection resends, and every other
+    failed attempt, next to p50/p95/p99 of whole calls, retries included.
 
 The server runs as its own uvicorn process, so the load generator does not share its GIL;
 on a 2-core machine they still share the cores, which the figures include.
@@ -39,11 +47,28 @@ import httpx
 import numpy as np
 
 from envs.finqa.search import DEFAULT_CACHE_DIR, SearchIndex, corpus_pages
+from envs.finqa.tool_schemas import TOOL_NAMES, TOOL_SCHEMAS
+from trainer.config import ToolsConfig
+from trainer.errors import InfraError
+from trainer.tools import ToolClient, ToolEndpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
 MIX = (("search", 0.4), ("cat", 0.4), ("list", 0.2))
 P99_TARGET_MS = 200.0
+# Failed attempts that mean "a connection closed under the request" (the keep-alive race).
+CONNECTION_DROPS = ("ReadError", "RemoteProtocolError", "WriteError")
+# The server's own process: the load generator must not share its GIL.
+SERVE = """
+import json, sys
+from pathlib import Path
+from envs.finqa.faults import FaultConfig
+from envs.finqa.server import serve
+o = json.loads(sys.argv[1])
+serve(Path(o["corpus"]), port=o["port"], log_level="warning", access_log=False,
+      index_cache_dir=Path(o["cache_dir"]), max_seq_length=o["max_seq_length"],
+      faults=FaultConfig(latency_ms=o["latency_ms"]) if o["latency_ms"] else None)
+"""
 SECTIONS = (
     ("consolidated statements of operations", ("net revenue", "cost of revenue",
                                                "gross profit", "operating income")),
@@ -178,13 +203,9 @@ def server_process(
 ) -> Iterator[str]:
     """A uvicorn tool server in its own process; yields its base URL once /health answers."""
     port = free_port()
-    command = [
-        sys.executable, "-m", "envs.finqa.server", "--corpus", str(corpus),
-        "--port", str(port), "--index-cache-dir", str(cache_dir),
-        "--max-seq-length", str(max_seq_length), "--log-level", "warning", "--no-access-log",
-    ]
-    if latency_ms:
-        command += ["--faults", json.dumps({"latency_ms": latency_ms})]
+    options = {"corpus": str(corpus), "port": port, "cache_dir": str(cache_dir),
+               "max_seq_length": max_seq_length, "latency_ms": latency_ms}
+    command = [sys.executable, "-c", SERVE, json.dumps(options)]
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(command, cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -289,6 +310,69 @@ def max_sustained_rate(
     return steps, best
 
 
+# --- soak through the tool client -------------------------------------------------------------
+
+
+async def soak(base_url: str, calls: list[tuple[str, dict]], rate: float) -> dict:
+    """Send `calls` at `rate` per second through a ToolClient, open loop; what its retries hid."""
+    endpoints = [ToolEndpoint(name=name, server_url=f"{base_url}/tools/{name}") for name in TOOL_NAMES]
+    latencies: list[float] = []
+    infra_errors: dict[str, int] = {}
+    model_errors = 0
+    async with ToolClient.from_config(ToolsConfig(endpoints=endpoints, schemas=TOOL_SCHEMAS)) as client:
+
+        async def one(n: int, name: str, arguments: dict, scheduled: float) -> None:
+            nonlocal model_errors
+            try:
+                result = await client.call(name, json.dumps(arguments), item={"id": "bench"},
+                                           trace_id=f"trace_soak_{n // 5}")
+            except InfraError as exc:
+                kind = str(exc).rsplit("last: ", 1)[-1].split(":", 1)[0]
+                infra_errors[kind] = infra_errors.get(kind, 0) + 1
+                return
+            model_errors += result.error is not None
+            latencies.append((time.perf_counter() - scheduled) * 1000)
+
+        start = time.perf_counter()
+        tasks = []
+        for n, (name, arguments) in enumerate(calls):
+            scheduled = start + n / rate
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(n, name, arguments, scheduled)))
+            if n % int(rate * 60) == 0 and n:
+                print(f"  {n / rate:.0f} s: {n} sent, {sum(client.stats.failed_attempts.values())} failed "
+                      f"attempts, {client.stats.stale_connection_resends} stale-connection resends", flush=True)
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+        stats = client.stats
+    return {
+        "rate": rate,
+        "seconds": round(elapsed, 1),
+        "sent": len(calls),
+        "ok": len(latencies),
+        "infra_errors": sum(infra_errors.values()),
+        "infra_error_kinds": infra_errors,
+        "model_errors": model_errors,
+        "requests": stats.requests,
+        "connection_drop_retries": sum(stats.failed_attempts[kind] for kind in CONNECTION_DROPS),
+        "stale_connection_resends": stats.stale_connection_resends,
+        "failed_attempts": dict(stats.failed_attempts),
+        "throughput_rps": round(len(latencies) / elapsed, 1),
+        **percentiles(latencies),
+    }
+
+
+def run_soak(url: str, corpus: Path, queries: list[str], args: argparse.Namespace) -> dict:
+    print(f"(d) soak through the tool client at {args.soak_rate:g} req/s for {args.soak_seconds:g} s",
+          flush=True)
+    calls = request_mix(corpus, queries, int(args.soak_rate * args.soak_seconds), seed=7)
+    # The server loads its query encoder at the first search: not part of a steady state.
+    httpx.post(f"{url}/tools/search", json=wire("search", {"query": queries[0]}, 0), timeout=300)
+    return asyncio.run(soak(url, calls, args.soak_rate))
+
+
 # --- main --------------------------------------------------------------------------------------
 
 
@@ -309,6 +393,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR.expanduser())
     parser.add_argument("--big-corpus-dir", type=Path, default=None,
                         help="keep the synthetic big corpus here and reuse it (default: a temporary one)")
+    parser.add_argument("--soak-seconds", type=float, default=600,
+                        help="seconds of the soak through the tool client (0 skips it)")
+    parser.add_argument("--soak-rate", type=float, default=50, help="requests/s of the soak")
+    parser.add_argument("--soak-only", action="store_true", help="run only the soak (d)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
 
@@ -319,6 +407,13 @@ def main(argv: list[str] | None = None) -> dict:
         tmp = Path(tmp_dir)
         corpus, questions = demo_corpus(tmp)
         queries = (questions * (args.queries // max(len(questions), 1) + 1))[: args.queries]
+
+        if args.soak_only:
+            with server_process(corpus, args.cache_dir, args.max_seq_length, args.server_latency_ms) as url:
+                results["soak"] = run_soak(url, corpus, queries, args)
+            results["loadavg_end"] = os.getloadavg()[0]
+            print_soak(results)
+            return write_json(results, args.json)
 
         print(f"(a) search latency: demo corpus {corpus}", flush=True)
         index = SearchIndex.from_corpus(
@@ -345,6 +440,8 @@ def main(argv: list[str] | None = None) -> dict:
             )
             results["rate_steps"] = steps
             results["max_rate_p99_under_200ms"] = best
+            if args.soak_seconds > 0:
+                results["soak"] = run_soak(url, corpus, queries, args)
 
         print(f"(a) search latency: synthetic {args.big_pages}-page corpus", flush=True)
         pages = list(synthetic_pages(args.big_pages))
@@ -381,10 +478,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     results["loadavg_end"] = os.getloadavg()[0]
     print_table(results)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    print_soak(results)
+    return write_json(results, args.json)
+
+
+def write_json(results: dict, path: Path | None) -> dict:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {path}")
     return results
 
 
@@ -407,6 +509,19 @@ def print_table(results: dict) -> None:
     best = results["max_rate_p99_under_200ms"]
     print(f"\n    largest rate with p99 < {P99_TARGET_MS:g} ms and no errors: "
           f"{f'{best} req/s' if best else 'none (the first step failed)'}")
+
+
+def print_soak(results: dict) -> None:
+    r = results.get("soak")
+    if r is None:
+        return
+    print(f"\n(d) soak through ToolClient ({results['cpus']} CPUs, load average {results['loadavg_start']:.1f} at "
+          f"start, {results['loadavg_end']:.1f} at end)")
+    print(f"    {r['sent']} calls at {r['rate']:g}/s in {r['seconds']} s: {r['ok']} answered, "
+          f"{r['infra_errors']} infra errors, {r['model_errors']} model-fault (4xx) answers")
+    print(f"    ReadError/RemoteProtocolError retries: {r['connection_drop_retries']}; stale-connection "
+          f"resends: {r['stale_connection_resends']}; all failed attempts: {r['failed_attempts'] or 'none'}")
+    print(f"    latency of whole calls, ms: p50 {r['p50']}, p95 {r['p95']}, p99 {r['p99']}")
 
 
 if __name__ == "__main__":
