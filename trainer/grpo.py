@@ -477,12 +477,16 @@ class GRPOTrainer:
         sums = torch.zeros(len(_STATS), device=acc.device)
         sampler_diff_max = torch.zeros((), device=acc.device)
         norms: list[float] = []
-        old: dict[int, torch.Tensor] = {}
+        old: dict[int, torch.Tensor] = {}  # rollout index -> logprob of each token, by position
         if training.ppo_epochs > 1:  # the policy before this step's updates, once
             with torch.no_grad():
                 for batch in self._micro_batches(list(enumerate(chosen))):
-                    for index, logprobs in zip([i for i, _ in batch], self._logprobs(batch)[0], strict=True):
-                        old[index] = logprobs
+                    logprobs, tensors = self._logprobs(batch)
+                    for row, (index, (record, _)) in enumerate(batch):
+                        by_position = torch.zeros(len(record.token_ids), device=acc.device)
+                        span = len(record.token_ids) - tensors["first"]
+                        by_position[tensors["first"]:] = logprobs[row, :span]
+                        old[index] = by_position
         for ppo_epoch in range(training.ppo_epochs):
             order = list(enumerate(chosen))
             random.Random(derived_seed(training.seed, f"ppo:{ppo_epoch}", step)).shuffle(order)
@@ -537,13 +541,14 @@ class GRPOTrainer:
         return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
     def _logprobs(self, batch: list[tuple[int, tuple[RolloutRecord, float]]], *, model: Any = None,
-                  entropy: bool = False) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        """Per rollout of the micro-batch, the log-probabilities of its tokens 1..n under
-        `model` (default the policy), each [n - 1], with the tensors of the batch."""
+                  entropy: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Log-probabilities under `model` (default the policy) of the micro-batch's tokens
+        from position `first` (the earliest generated token of any row) to the end: [B, K],
+        with the generation mask over the same span, `first`, and the summed entropy."""
         device, pad = self.accelerator.device, self.tokenizer.pad_token_id
-        rows = [record for _, (record, _) in batch] or None
-        ids_rows = [r.token_ids for r in rows] if rows else [[pad, pad]]
-        masks = [r.gen_mask for r in rows] if rows else [[0, 0]]
+        rows = [record for _, (record, _) in batch]
+        ids_rows = [r.token_ids for r in rows] or [[pad, pad]]  # an empty micro-batch: a two-token dummy
+        masks = [r.gen_mask for r in rows] or [[0, 0]]
         width = max(len(ids) for ids in ids_rows)
         input_ids = torch.full((len(ids_rows), width), pad, dtype=torch.long)
         attention = torch.zeros((len(ids_rows), width), dtype=torch.long)
@@ -553,19 +558,18 @@ class GRPOTrainer:
             attention[b, : len(ids)] = 1
             generated[b, : len(ids)] = torch.tensor(gen_mask, dtype=torch.bool)
         input_ids, attention, generated = input_ids.to(device), attention.to(device), generated.to(device)
-        # Logits only from the first generated token's predecessor on: the prompt is context.
-        first = int(generated.float().argmax(-1).clamp(min=1).min()) if generated.any() else width - 1
-        keep = width - first + 1
+        # Logits only from the first generated token's predecessor on: the prompt is context,
+        # and no [B, L, V] tensor of the whole sequences is made.
+        first = int(generated.float().argmax(-1)[generated.any(-1)].min()) if generated.any() else width - 1
+        first = max(first, 1)
         forward = model or self.model
-        logits = forward(input_ids=input_ids, attention_mask=attention, use_cache=False, logits_to_keep=keep).logits
-        targets = input_ids[:, first:]
+        logits = forward(input_ids=input_ids, attention_mask=attention, use_cache=False,
+                         logits_to_keep=width - first + 1).logits
         mask = generated[:, first:]
-        logprobs, ent = chunked_logprobs(logits[:, :-1], targets, self.temperature,
+        logprobs, ent = chunked_logprobs(logits[:, :-1], input_ids[:, first:], self.temperature,
                                          chunk=self.config.training.logprob_chunk_tokens, with_entropy=entropy,
                                          mask=mask)
-        tensors = {"mask": mask, "first": torch.tensor(first), "entropy": ent, "input_ids": input_ids,
-                   "attention": attention}
-        return [logprobs[b] for b in range(logprobs.size(0))], tensors
+        return logprobs, {"mask": mask, "first": first, "entropy": ent}
 
     def _micro_batch_loss(
         self, batch: list[tuple[int, tuple[RolloutRecord, float]]], old: dict[int, torch.Tensor], *,
@@ -574,18 +578,18 @@ class GRPOTrainer:
         """The update's loss share of a micro-batch and its stats. An empty batch is a
         two-token dummy that contributes nothing but keeps DDP in step."""
         device, training = self.accelerator.device, self.config.training
-        per_row, tensors = self._logprobs(batch, entropy=True)
-        new = torch.stack(per_row)
-        mask, first = tensors["mask"], int(tensors["first"])
-        old_t = torch.stack([old[i] for i, _ in batch]) if old and batch else new.detach()
-        sampler = torch.zeros_like(new)
-        for b, (_, (record, _)) in enumerate(batch):
-            values = torch.tensor(record.logprobs[first:], device=device)
-            sampler[b, : len(values)] = values
+        new, tensors = self._logprobs(batch, entropy=True)
+        mask, first = tensors["mask"], tensors["first"]
+        span = new.size(1)
+
+        def aligned(values: list[float] | torch.Tensor) -> torch.Tensor:
+            row = torch.as_tensor(values, dtype=torch.float32, device=device)[first : first + span]
+            return torch.nn.functional.pad(row, (0, span - row.numel()))
+
+        old_t = torch.stack([aligned(old[i]) for i, _ in batch]) if old and batch else new.detach()
+        sampler = torch.stack([aligned(record.logprobs) for _, (record, _) in batch]) if batch else new.detach()
         advantages = torch.tensor([a for _, (_, a) in batch] or [0.0], device=device)
-        ref = None
-        if training.kl_coef > 0:
-            ref = torch.stack(self._reference_logprobs(batch))
+        ref = self._reference_logprobs(batch) if training.kl_coef > 0 else None
         weights = token_weights(mask, loss_type=training.loss_type, update_tokens=update_tokens,
                                 update_rollouts=update_rollouts, max_tokens=self.config.rollout.max_total_tokens)
         loss, stats = policy_loss(
@@ -595,7 +599,7 @@ class GRPOTrainer:
         stats["entropy"] = tensors["entropy"]
         return loss, stats
 
-    def _reference_logprobs(self, batch: list[Any]) -> list[torch.Tensor]:
+    def _reference_logprobs(self, batch: list[Any]) -> torch.Tensor:
         with torch.no_grad(), self.accelerator.autocast():
             if self.reference is not None:
                 return self._logprobs(batch, model=self.reference)[0]

@@ -23,9 +23,6 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from envs.finqa.demo_model import (
-    read_items,
-)
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import (
     GRADER,
@@ -36,16 +33,10 @@ from tests.taught_model import (
     teach_model,
 )
 from trainer.config import config_from_dict
+from trainer.data import read_items, read_jsonl
 from trainer.errors import ConfigError
-from trainer.grpo import (
-    GRPOTrainer,
-    batch_advantages,
-    group_advantages,
-    policy_loss,
-    token_logprobs,
-    train,
-)
-from trainer.metrics import read_jsonl
+from trainer.grpo import GRPOTrainer, fill_batch, in_loss, train
+from trainer.loss import batch_advantages, chunked_logprobs, policy_loss, token_weights
 from trainer.rollout import RolloutRecord, RolloutSettings, run_rollouts_async
 from trainer.tools import ToolClient, ToolEndpoint
 
@@ -62,7 +53,7 @@ NAMED_METRICS = [
 TRAINING = {
     "batch_size": 2, "compute_multiplier": 0.5, "n_epochs": 2, "learning_rate": 1e-3, "eval_interval": 2,
     "eval_samples": 2, "ppo_epochs": 2, "micro_batch_size": 8, "kl_coef": 0.05, "checkpoint_interval": 1,
-    "seed": 3,
+    "seed": 3, "scale_rewards": "group",
 }
 
 
@@ -82,7 +73,8 @@ def world(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     root = tmp_path_factory.mktemp("grpo")
     items = read_items(demo_data_dir / "train.jsonl", 2)
     copy_items(demo_data_dir, items, root, "train.jsonl")
-    copy_items(demo_data_dir, items, root, "validation.jsonl")
+    copy_items(demo_data_dir, items, root, "validation.jsonl")  # the same items: a tiny world
+    copy_items(demo_data_dir, items, root, "test.jsonl")  # never read by the trainer
     return root
 
 
@@ -99,10 +91,11 @@ def taught_model(world: Path, endpoints: list[ToolEndpoint]) -> Path:
 
 def micro_config(world: Path, endpoints: list[ToolEndpoint], **training):
     return config_from_dict({
-        "data": {"train_file": str(world / "train.jsonl"), "eval_file": str(world / "validation.jsonl"),
-                 "corpus_dir": str(world / "corpus")},
+        "model": {"base_model": "unused: passed as model_path"},
+        "data": {"train_file": str(world / "train.jsonl"), "validation_file": str(world / "validation.jsonl"),
+                 "test_file": str(world / "test.jsonl")},
         "tools": {"endpoints": [e.model_dump() for e in endpoints], "schemas": TOOLS,
-                  "max_output_chars": OUTPUT_CHARS, "demo_server": False, "max_retries": 2},
+                  "max_output_chars": OUTPUT_CHARS, "max_retries": 2},
         "grader": GRADER,
         # One rollout at a time: with several, which sequences share an engine batch depends
         # on when tool answers arrive, and the logits move in the last bits with the batch;
@@ -126,8 +119,7 @@ def _comparable(row: dict) -> dict:
 @pytest.fixture(scope="module")
 def two_step_run(world: Path, endpoints: list[ToolEndpoint], taught_model: Path):
     """The uninterrupted 2-step run, through the CLI entry point, logging to MLflow."""
-    from trainer.train_cli import main
-
+    from flows.cli import main
     from tasks.tracking import mlflow_client
 
     config = micro_config(world, endpoints)
@@ -136,7 +128,7 @@ def two_step_run(world: Path, endpoints: list[ToolEndpoint], taught_model: Path)
     client = mlflow_client(config.mlflow.tracking_uri)
     run_id = client.create_run(client.create_experiment("grpo-test")).info.run_id
     out = world / "run"
-    code = main(["--config", str(config_file), "--model", str(taught_model), "--output-dir", str(out),
+    code = main(["train", "--config", str(config_file), "--model", str(taught_model), "--output-dir", str(out),
                  "--mlflow-run-id", run_id])
     assert code == 0
     return out, run_id, client
@@ -213,22 +205,14 @@ def test_stopped_and_resumed_run_matches_the_uninterrupted_one(two_step_run, wor
 
 
 def test_cli_launches_several_cpu_processes_with_torchrun_and_gloo(world, endpoints):
-    from trainer.train_cli import launch_command
+    from trainer.launch import launch_command
 
     config = micro_config(world, endpoints, num_processes=2)
     command, env = launch_command(config, ["--config", "x.yaml"])
-    assert command[-4:] == ["-m", "trainer.train_cli", "--config", "x.yaml"]
+    assert command[-5:] == ["-m", "flows.cli", "train", "--config", "x.yaml"]
     assert command[command.index("--num_processes") + 1] == "2" and env["AGENTRFT_LAUNCHED"] == "1"
     if not torch.cuda.is_available():
         assert "--multi_gpu" in command and "--cpu" not in command and env["ACCELERATE_USE_CPU"] == "true"
-
-
-def test_advantages_leave_out_rollouts_without_a_reward():
-    assert group_advantages([1.0, None, 0.0, 0.0], scale=False) == pytest.approx([2 / 3, None, -1 / 3, -1 / 3])
-    scaled = group_advantages([1.0, None, 0.0], scale=True)
-    assert scaled[1] is None and scaled[0] == pytest.approx(0.5 / (0.5**0.5 + 1e-6))
-    assert group_advantages([0.5, 0.5, None], scale=True) is None  # no variance: no signal
-    assert group_advantages([1.0, None, None], scale=True) is None  # one reward: no signal
 
 
 def test_infra_failures_are_left_out_of_the_loss_and_counted(world, endpoints, taught_model):
@@ -242,13 +226,14 @@ def test_infra_failures_are_left_out_of_the_loss_and_counted(world, endpoints, t
     trainer = GRPOTrainer(config, model_path=str(taught_model), output_dir=world / "infra")
     trainer.setup()
     try:
-        records = trainer._rollouts(read_items(world / "train.jsonl"), 4, seed=11)
+        records = trainer._rollouts(read_items(world / "train.jsonl"), 12, seed=11, step=0)
         trainer.train()
     finally:
         trainer.cleanup()
     infra = [r for r in records if r.status == "infra_error"]
     assert infra and len(infra) < len(records)
-    advantages, _ = batch_advantages(records, 4, scale=True)
+    rewards = [r.reward if in_loss(r, mask_truncated=True) else None for r in records]
+    advantages, _ = batch_advantages(rewards, 4, scale_rewards="group")
     for record, advantage in zip(records, advantages, strict=True):
         if record.status == "infra_error":
             assert record.reward is None and advantage is None
@@ -289,14 +274,17 @@ def test_loss_gives_no_gradient_to_tool_output_tokens(world, endpoints, taught_m
     with torch.no_grad():
         base_logits = policy.model(ids).logits
     # The trainer recomputes the sampler's logprobs from logits / T, at the same temperature.
-    recomputed = token_logprobs(base_logits, ids, 0.7)
+    recomputed, _ = chunked_logprobs(base_logits[:, :-1], ids[:, 1:], 0.7, chunk=64)
     assert torch.allclose(recomputed[mask], torch.tensor([record.logprobs[1:]])[mask], atol=1e-4)
 
     def loss_and_grad(token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = base_logits.clone().requires_grad_(True)
-        new = token_logprobs(logits, token_ids, 0.7)
+        new, _ = chunked_logprobs(logits[:, :-1], token_ids[:, 1:], 0.7, chunk=64)
         old = torch.tensor([record.logprobs[1:]]) - 0.05  # off-policy: clipping and ratios all in play
-        loss, _ = policy_loss(new, old, torch.tensor([1.0]), mask, clip_eps=0.2, kl_coef=0.1, ref=new.detach() + 0.1)
+        weights = token_weights(mask, loss_type="dapo", update_tokens=float(mask.sum()), update_rollouts=1.0,
+                                max_tokens=768)
+        loss, _ = policy_loss(new, old, torch.tensor([1.0]), mask, weights, epsilon=0.2, kl_coef=0.1,
+                              ref=new.detach() + 0.1)
         loss.backward()
         return loss.detach(), logits.grad[0]
 
@@ -385,3 +373,41 @@ def test_two_processes_end_with_identical_weights(two_step_run, world, endpoints
         for key in ("train/reward_mean", "train/rollouts_in_loss", "train/loss", "eval/score_mean"):
             if key in want:
                 assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (want["step"], key)
+
+
+def _record(item: str, reward: float | None, *, truncated: bool = False) -> RolloutRecord:
+    return RolloutRecord(trace_id="t", item_id=item, sample_index=0, messages=[], tool_calls=[], final_answer="",
+                         status="truncated" if truncated else "ok", score=reward, reward=reward,
+                         finish_reasons=["length" if truncated else "stop"])
+
+
+def test_dynamic_sampling_never_keeps_a_silent_group_and_stops_at_its_cap():
+    silent = [_record("a", 1.0), _record("a", 1.0)]
+    varied = [_record("b", 1.0), _record("b", 0.0)]
+    cut = [_record("c", 1.0), _record("c", 0.0, truncated=True)]  # varies only through a masked rollout
+    calls = []
+
+    def sample(round_: int) -> list[RolloutRecord]:
+        calls.append(round_)
+        return [*silent, *(varied if round_ == 2 else cut)]
+
+    kept, rounds, dropped = fill_batch(sample, [*silent, *varied], group_size=2, want_groups=2, max_rounds=3,
+                                       mask_truncated=True)
+    assert kept == [*varied, *varied] and rounds == 2 and calls == [1, 2]
+    assert dropped == 4  # silent (first batch), silent and cut (round 1), silent (round 2)
+    kept, rounds, _ = fill_batch(lambda r: [*silent, *silent], [*silent, *varied], group_size=2, want_groups=2,
+                                 max_rounds=2, mask_truncated=True)
+    assert kept == varied and rounds == 2  # the cap ends it with what varies, never a silent group
+
+
+def test_one_pass_takes_the_trainer_as_old_policy_and_reports_the_sampler_mismatch(world, endpoints, taught_model):
+    config = micro_config(world, endpoints, max_steps=1, ppo_epochs=1, kl_coef=0.0, dynamic_sampling=True,
+                          max_resample_batches=1)
+    result = train(config, model_path=str(taught_model), output_dir=world / "one_pass")
+    (row,) = [r for r in read_jsonl(world / "one_pass" / "metrics.jsonl") if r["step"] == 1]
+    assert row["train/updates"] == 1
+    assert row["train/kl"] == pytest.approx(0.0, abs=1e-9) and row["train/clip_fraction"] == 0.0  # ratio exactly 1
+    # the sampler (the engine, fp32 on CPU) and the trainer agree to float noise; TIS weights are ~1
+    assert row["train/sampler_diff_max"] < 1e-3 and row["train/tis_capped_share"] == 0.0
+    assert row["train/resample_rounds"] <= 1 and row["train/zero_variance_group_share"] == 0.0
+    assert result.steps == 1
