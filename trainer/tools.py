@@ -276,7 +276,7 @@ class ToolClient:
     [0.5, 1) drawn from a RNG seeded with `seed`, so that concurrent rollouts do not
     retry in lockstep and runs stay reproducible; or, when the answer carried
     `Retry-After`, as long as the server asked, unless that would end past `timeout_s`
-    after the call began (then it raises at once). `timeout_s` is also a deadline for
+    after its first attempt (then it raises at once). `timeout_s` is also a deadline for
     each attempt as a whole (OpenAI gives tools 10 minutes).
 
     `max_concurrency_per_endpoint` counts calls, and a call keeps its slot while it waits
@@ -544,8 +544,8 @@ class ToolClient:
     async def _post_with_retries(self, tool: _Tool, content: bytes) -> tuple[int, str, int]:
         """POST until a 2xx or model-fault 4xx; returns (status, output or error text, attempts)."""
         endpoint = tool.endpoint
-        started = time.monotonic()
         async with tool.semaphore:
+            started = time.monotonic()  # the deadline for Retry-After waits: from the first attempt
             for attempt in range(1, self.max_retries + 1):
                 self.stats.rate_limit_wait_s += await tool.limit.wait()
                 try:
