@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,7 +61,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -515,7 +516,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 def server_args(
     *, max_model_len: int, dtype: str = "auto", lora_rank: int | None = None, nccl: bool = False,
-    extra_args: list[str] = (),  # type: ignore[assignment]
+    extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """Command-line arguments and environment of a server this module launches."""
     args = [
@@ -735,7 +736,7 @@ class VllmGenerator:
             for url in self.servers.urls:
                 with contextlib.suppress(ConfigError):  # already gone (a restarted server)
                     self.servers.post(url, "/v1/unload_lora_adapter", {"lora_name": previous})
-            _remove_tree(self.work_dir / "lora" / previous)
+            shutil.rmtree(self.work_dir / "lora" / previous, ignore_errors=True)
         return name
 
     def _sync_nccl(self, step: int) -> str:
@@ -822,12 +823,6 @@ def reset_prefix_cache(servers: VllmServers, url: str) -> None:
             return
         time.sleep(0.2)
     raise InfraError(f"vLLM server {url} did not reset its prefix cache after the weight change", endpoint=url)
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _servable_dir(trainer: Any, fallback: Path) -> str:
