@@ -49,12 +49,47 @@ def test_an_ungraded_rollout_gets_no_reward():
     assert rollout.reward is None
 
 
+MINIMAL = {"model": {"base_model": "m"}, "grader": {"type": "string_check", "name": "g", "input": "{{sample.output_text}}",
+                                                   "reference": "1", "operation": "eq"}}
+
+
 def test_config_carries_tool_costs_and_rejects_a_negative_one():
-    config = PipelineConfig.model_validate({"penalties": {"per_tool_call": 0.02, "tool_call_costs": {"calculator": 0}}})
+    config = PipelineConfig.model_validate({**MINIMAL, "penalties": {"per_tool_call": 0.02,
+                                                                     "tool_call_costs": {"calculator": 0}}})
     settings = RolloutSettings.from_config(config.rollout, config.penalties)
     assert settings.tool_call_costs == {"calculator": 0.0}
     with pytest.raises(Exception, match="tool_call_costs"):
-        PipelineConfig.model_validate({"penalties": {"tool_call_costs": {"search": -1}}})
+        PipelineConfig.model_validate({**MINIMAL, "penalties": {"tool_call_costs": {"search": -1}}})
+
+
+@pytest.mark.parametrize("correct_only", [False, True])
+@pytest.mark.parametrize("costs", [{}, {"calculator": 0.0}, {"search": 0.2}])
+def test_a_broken_call_never_pays_better_than_a_real_one(correct_only, costs):
+    """The reward hack of a free malformed call, closed: "broken call + right answer" is
+    never above "real call + right answer", whatever the prices and correct_only."""
+    settings = RolloutSettings(per_tool_call_penalty=0.05, tool_call_costs=costs, penalties_correct_only=correct_only)
+    for tool in ("search", "calculator"):
+        real = record(1.0, [tool])
+        broken = record(1.0, [])
+        broken.malformed_tool_calls = 1
+        compute_reward(real, settings)
+        compute_reward(broken, settings)
+        assert broken.reward <= real.reward, (tool, broken.penalties, real.penalties)
+
+
+def test_per_turn_and_overlong_penalties():
+    settings = RolloutSettings(per_turn_penalty=0.1, overlong_penalty=0.5, max_new_tokens_per_turn=100,
+                               overlong_buffer_tokens=20)
+    sequential = record(1.0, ["search", "cat"])
+    sequential.finish_reasons = ["tool_calls", "tool_calls", "stop"]
+    sequential.turn_tokens = [30, 85, 10]  # 5 tokens into the 20-token overlong zone
+    compute_reward(sequential, settings)
+    assert sequential.penalties == {"turns": pytest.approx(0.2), "overlong": pytest.approx(0.5 * 5 / 20)}
+    parallel = record(1.0, ["search", "cat"])
+    parallel.finish_reasons = ["tool_calls", "stop"]
+    parallel.turn_tokens = [40, 10]
+    compute_reward(parallel, settings)
+    assert parallel.penalties == {"turns": pytest.approx(0.1)} and parallel.reward > sequential.reward
 
 
 def test_a_priced_tool_the_items_do_not_offer_is_a_clear_error():

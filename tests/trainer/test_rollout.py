@@ -20,13 +20,11 @@ import httpx
 import pytest
 import torch
 
-from envs.finqa.demo_model import (
-    read_items,
-)
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import fit_tiny_model
 from trainer.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from trainer.data import read_items
 from trainer.engine import TransformersBackend
 from trainer.rollout import RolloutSettings
 from trainer.tools import ToolClient, ToolEndpoint
@@ -136,7 +134,7 @@ def test_taught_model_replays_scripts_through_real_tools(taught, world):
     assert len({r.trace_id for r in records}) == len(records)
     for record in records:
         assert record.trace_id.startswith("trace_")
-        calls = traces[record.trace_id]["calls"]
+        calls = traces[record.trace_id].get("calls", [])  # a rollout without calls has no trace
         assert len(calls) == len(record.tool_calls)
 
     # two calls in one turn run concurrently: their server-side intervals overlap
@@ -145,12 +143,30 @@ def test_taught_model_replays_scripts_through_real_tools(taught, world):
     assert a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"]
     assert parallel.status == "ok" and parallel.score == 1.0
 
-    # the budget (10 by default here is not reached; see the next test) and malformed calls
-    assert malformed.malformed_tool_calls == 1
-    assert any(m["role"] == "tool" and m["content"].startswith("Error:") for m in malformed.messages)
-    assert malformed.status == "ok" and malformed.score == 1.0
+    # a malformed call ends the rollout by default: graded on what it has (no answer), counted
+    assert malformed.malformed_tool_calls == 1 and malformed.tool_calls == []
+    assert malformed.status == "malformed_call" and malformed.score == 0.0
+    assert malformed.finish_reasons == ["tool_calls"]
     assert plain.status == "ok" and plain.score == 1.0
     assert budget.status == "ok" and len(budget.tool_calls) == 4
+    assert parallel.finish_reasons == ["tool_calls", "stop"] and plain.finish_reasons == ["tool_calls"] * 2 + ["stop"]
+
+
+def test_with_feedback_a_malformed_call_is_answered_counted_and_charged(taught, world):
+    items, corpus = world
+    settings = RolloutSettings(system_prompt=SYSTEM, temperature=0.0, max_new_tokens_per_turn=200,
+                               on_malformed_call="feedback", per_tool_call_penalty=0.05)
+    with local_tool_endpoints(corpus) as endpoints:
+        (malformed,) = _run(taught, world, endpoints=endpoints, settings=settings, items=[items[2]])
+        budget = dataclasses.replace(settings, max_episode_steps=1)
+        (over,) = _run(taught, world, endpoints=endpoints, settings=budget, items=[items[2]])
+    assert malformed.status == "ok" and malformed.score == 1.0 and malformed.malformed_tool_calls == 1
+    assert any(m["role"] == "tool" and m["content"].startswith("Error:") for m in malformed.messages)
+    # the broken call costs as much as a real one: 1 - 0.05 (cat) - 0.05 (the broken call)
+    assert malformed.penalties == {"tool_calls": pytest.approx(0.05), "malformed_calls": pytest.approx(0.05)}
+    assert malformed.reward == pytest.approx(0.9)
+    # and it counts against the budget: one call allowed, the broken one used it
+    assert over.status == "over_budget" and over.tool_calls == []
 
 
 def test_budget_stops_rollout_as_over_budget(taught, world):
@@ -226,6 +242,7 @@ def test_a_turn_gets_the_context_left_and_a_rollout_stops_when_too_little_is(tau
     # of them (the same tokens as without the limit, cut), and the rollout then stopped
     assert cut.tokens_generated == room and len(cut.token_ids) == prompt + room
     assert cut.token_ids == full.token_ids[: prompt + room]
-    assert cut.status == "max_turns" and cut.score == 0.0
+    # a cut turn is neither a call nor an answer: the rollout ends as truncated
+    assert cut.status == "truncated" and cut.finish_reasons == ["length"] and cut.truncated and cut.score == 0.0
     # with fewer than MIN_TURN_TOKENS left, no turn starts at all
     assert stopped.status == "max_turns" and stopped.tokens_generated == 0 and stopped.turns == 0
