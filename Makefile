@@ -7,7 +7,9 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo bench lint clean
+VLLM_VENV := .venv-vllm
+
+.PHONY: install test demo bench lint clean vllm
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -19,7 +21,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# vLLM in its own environment (it cannot share prefect's fastapi), built once per machine.
+$(VLLM_VENV)/.installed: scripts/vllm_env.sh
+	scripts/vllm_env.sh
+
+vllm: $(VLLM_VENV)/.installed
+
+test: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
@@ -33,4 +41,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) mlruns mlflow.db .prefect-home .pytest_cache runs .cache/models
+	rm -rf $(VENV) $(VLLM_VENV) mlruns mlflow.db .prefect-home .pytest_cache runs

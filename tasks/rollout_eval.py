@@ -54,17 +54,29 @@ def evaluate_model(
     grader: dict[str, Any], rollout: RolloutConfig, penalties: Any, k: int, seed: int, prefix: str,
     group_by: str | None = None, log: Any = None,
 ) -> tuple[EvalSummary, list[RolloutRecord]]:
-    """k rollouts per item of `model`, graded and summarised (`prefix/...`)."""
+    """k rollouts per item of `model`, graded and summarised (`prefix/...`), on the
+    embedded engine or on vLLM servers (`rollout.backend`)."""
+    from contextlib import ExitStack
+
     from trainer.policy import load_policy, local_model_path
 
     local = local_model_path(model, tracking_uri=ctx.tracking_uri)
     policy = load_policy(local, device=model_section.device, dtype=model_section.dtype)
-    backend = policy.backend(max_slots=rollout.max_concurrent_rollouts, max_len=rollout.max_total_tokens, seed=seed)
-    return run_evaluation(
-        backend, policy.tokenizer, items, k=k, tool_client=ToolClient.from_config(tools, seed=seed),
-        grader=grader, settings=RolloutSettings.from_config(rollout, penalties), tools=tools.schemas,
-        max_concurrent=rollout.max_concurrent_rollouts, prefix=prefix, group_by=group_by, log=log,
-    )
+    with ExitStack() as stack:
+        if rollout.backend == "vllm":
+            from trainer.vllm_backend import vllm_eval_backend
+
+            backend = stack.enter_context(vllm_eval_backend(
+                rollout.vllm, local, rollout=rollout, tokenizer=policy.tokenizer,
+                stop_token_ids=policy.stop_token_ids, seed=seed))
+        else:
+            backend = policy.backend(max_slots=rollout.max_concurrent_rollouts, max_len=rollout.max_total_tokens,
+                                     seed=seed)
+        return run_evaluation(
+            backend, policy.tokenizer, items, k=k, tool_client=ToolClient.from_config(tools, seed=seed),
+            grader=grader, settings=RolloutSettings.from_config(rollout, penalties), tools=tools.schemas,
+            max_concurrent=rollout.max_concurrent_rollouts, prefix=prefix, group_by=group_by, log=log,
+        )
 
 
 def sample_rollouts(records: list[RolloutRecord], n: int = 20) -> list[RolloutRecord]:

@@ -38,7 +38,7 @@ from tasks.tracking import (
 )
 from trainer.config import PipelineConfig, resolved_hyperparameters
 from trainer.data import split_items
-from trainer.errors import InfraError
+from trainer.errors import AgentRFTError, InfraError, StorageError
 from trainer.launch import launch_command
 
 STAGE = "rft_training"
@@ -92,6 +92,8 @@ def run_training(command: list[str], env: dict[str, str], log_path: Path, logger
         code = process.wait()
         for reader in readers:
             reader.join()
+    if code == 2:  # the trainer's own report of a user error (config, data): not worth a retry
+        raise AgentRFTError(f"rft_training: the trainer stopped on an error (full log: {log_path}):\n" + "\n".join(tail))
     if code != 0:
         raise InfraError(
             f"rft_training: the trainer exited with status {code}; last lines of its output "
@@ -99,7 +101,22 @@ def run_training(command: list[str], env: dict[str, str], log_path: Path, logger
         )
 
 
-@task(name=STAGE, persist_result=True, retries=1, retry_delay_seconds=2, cache_policy=stage_cache(__name__))
+def _worth_a_retry(task: Any, task_run: Any, state: Any) -> bool:
+    """A killed or crashed trainer is worth a retry (it resumes from its checkpoint); a
+    user's error (a bad config, exit status 2) or a full disk would only fail again."""
+    try:
+        state.result()
+    except StorageError:
+        return False
+    except InfraError:
+        return True
+    except Exception as exc:
+        return not isinstance(exc, AgentRFTError)
+    return False
+
+
+@task(name=STAGE, persist_result=True, retries=1, retry_delay_seconds=2, retry_condition_fn=_worth_a_retry,
+      cache_policy=stage_cache(__name__))
 def rft_training(model_path: str, *, model: Any, data: Any, tools: Any, grader: dict[str, Any], rollout: Any,
                  penalties: Any, training: Any, mlflow: Any, variant: dict[str, Any] | None, work_dir: str,
                  ctx: RunContext) -> TrainingResult:

@@ -362,7 +362,9 @@ class GRPOTrainer:
             step = self.step + 1
             started = time.perf_counter()
             metrics = self._train_step(step)
+            synced = time.perf_counter()
             self.generator.sync(step)
+            metrics["timing/sync_s"] = time.perf_counter() - synced
             evaluate = bool(self.eval_items) and (step % self.hp["eval_interval"] == 0 or step == self.total_steps)
             metrics.update(self._evaluate(step) if evaluate else {"timing/eval_s": 0.0})
             metrics["timing/step_s"] = time.perf_counter() - started
@@ -392,7 +394,8 @@ class GRPOTrainer:
         mine = [self.train_items[i] for i in indices[acc.process_index * share : (acc.process_index + 1) * share]]
 
         started = time.perf_counter()
-        records = self._rollouts(mine, group_size, derived_seed(training.seed, "rollout", step), step)
+        # sampled with the weights of the previous step: policy version step - 1
+        records = self._rollouts(mine, group_size, derived_seed(training.seed, "rollout", step), step - 1)
         resampled = dropped = 0
         sampled = list(records)
         if training.dynamic_sampling:
@@ -400,7 +403,8 @@ class GRPOTrainer:
             def sample(round_: int) -> list[RolloutRecord]:
                 rng = random.Random(derived_seed(training.seed, f"resample:{round_}", step))
                 fresh = rng.sample(self.train_items, min(len(mine), len(self.train_items)))
-                new = self._rollouts(fresh, group_size, derived_seed(training.seed, f"resample:{round_}", step), step)
+                new = self._rollouts(fresh, group_size, derived_seed(training.seed, f"resample:{round_}", step),
+                                     step - 1)
                 sampled.extend(new)
                 return new
 
@@ -447,7 +451,7 @@ class GRPOTrainer:
             self._keep_rollouts(step, gathered)
         return metrics
 
-    def _rollouts(self, items: list[dict[str, Any]], n: int, seed: int, step: int) -> list[RolloutRecord]:
+    def _rollouts(self, items: list[dict[str, Any]], n: int, seed: int, version: int) -> list[RolloutRecord]:
         """`n` rollouts of each item with the current weights, through the real tools."""
         if not items:
             return []
@@ -461,7 +465,7 @@ class GRPOTrainer:
                 return await run_rollouts_async(
                     backend, self.tokenizer, items, n_per_item=n, tool_client=client, grader=self.config.grader,
                     settings=self.settings, tools=tools.schemas, max_concurrent=rollout.max_concurrent_rollouts,
-                    policy_version=step,
+                    policy_version=version,
                 )
 
         try:
@@ -626,8 +630,10 @@ class GRPOTrainer:
             self.sink.log_traces(everything[: self.config.mlflow.traces_per_evaluation], step=step, kind="eval")
         score = metrics["eval/score_mean"]
         if step > 0 and self.best.admits(score):
-            path, evicted = self.best.add(step, score)
+            best = BestCheckpoints(self.best.root, self.best.keep, self.best.to_json())
+            path, evicted = best.add(step, score)
             save_model(acc, self.model, self.tokenizer, path)
+            self.best = best  # recorded only once its model is on disk (a full disk raises before)
             if self.is_main:
                 for old in evicted:
                     shutil.rmtree(old, ignore_errors=True)

@@ -35,6 +35,7 @@ are never a score of 0. A grader that cannot run leaves `score` None too, with i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -90,7 +91,7 @@ class RolloutRecord:
     turn_seconds: list[float] = field(default_factory=list)  # generation time of each turn
     started_at: float = 0.0  # wall clock (epoch seconds) when the rollout started
     infra_error: str | None = None
-    policy_version: int = 0  # the optimizer step whose weights sampled it
+    policy_version: int = 0  # optimizer steps applied to the weights that sampled it
     # For training: every token of the conversation, 1 where the model sampled it.
     token_ids: list[int] = field(default_factory=list, repr=False)
     gen_mask: list[int] = field(default_factory=list, repr=False)
@@ -481,6 +482,8 @@ async def run_rollouts_async(
         done_tasks, _ = await asyncio.wait({gathered, driver_task}, return_when=asyncio.FIRST_COMPLETED)
         if driver_task in done_tasks:
             gathered.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gathered  # retrieved, so asyncio does not report it as never retrieved
             driver_task.result()  # re-raise the backend's failure
         return gathered.result()
     finally:
