@@ -37,8 +37,8 @@ def demo_data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def world(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Four training, four validation and eight test items with their corpus pages, pinned
-    by DVC in a project of their own."""
+    """Two training, two validation and six test items with their corpus pages, pinned by
+    DVC in a project of their own."""
     from tasks.data_version import add, init
     from tests.taught_model import copy_items
     from trainer.data import read_items
@@ -46,7 +46,7 @@ def world(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     root = tmp_path_factory.mktemp("pipeline")
     data = root / "data"
     data.mkdir()
-    for split, count in (("train", 2), ("validation", 2), ("test", 4)):
+    for split, count in (("train", 2), ("validation", 2), ("test", 6)):
         copy_items(demo_data_dir, read_items(demo_data_dir / f"{split}.jsonl", count), data, f"{split}.jsonl")
     init(root)
     add(data)

@@ -1,6 +1,9 @@
-"""The micro pipeline world shared by the pipeline and reliability tests: six items (two
-each of train, validation and test) with their corpus pages under a DVC pin, and the micro
-config around a tiny taught model. The fixtures that build it live in `tests/conftest.py`.
+"""The micro pipeline world shared by the pipeline and reliability tests: two train, two
+validation and six test items with their corpus pages under a DVC pin, and the micro config
+around a tiny taught model (tests/taught_model.py). The config keeps the default promotion
+gates: its training (six GRPO steps, 0.05 a tool call) makes a candidate clearly better
+than the base, which the gates promote on the test items. The fixtures that build the
+world live in `tests/conftest.py`.
 """
 
 from __future__ import annotations
@@ -25,14 +28,13 @@ def micro(world: Path, endpoints, model: Path, **overrides):
         "grader": GRADER,
         "rollout": {"system_prompt": SYSTEM, "max_turns": 3, "max_new_tokens_per_turn": 48,
                     "max_total_tokens": 768, "max_concurrent_rollouts": 1},
+        "penalties": {"per_tool_call": 0.05, "correct_only": True},
         "baseline": {"k": 2, "min_nonzero_share": 0.0, "min_headroom": 0.0},
         "prompt_optimization": {"k": 1, "target_score": 1.0,
                                 "variants": [{"name": "terse", "system_prompt": "Reply with one number."}]},
-        "training": {"batch_size": 2, "n_epochs": 2, "compute_multiplier": 0.5, "max_steps": 2, "learning_rate": 1e-12,
-                     "eval_interval": 2, "eval_samples": 2, "checkpoint_interval": 1},
-        "promotion": {"registered_model": "micro-agent", "k": 2, "min_gain_lower_bound": -0.01,
-                      "max_tool_calls_increase": 0.5, "max_tokens_increase": 0.5, "max_latency_increase": 10.0,
-                      "bootstrap_samples": 200},
+        "training": {"batch_size": 2, "n_epochs": 6, "compute_multiplier": 0.5, "max_steps": 6, "learning_rate": 3e-3,
+                     "eval_interval": 3, "eval_samples": 2, "checkpoint_interval": 3},
+        "promotion": {"registered_model": "micro-agent", "k": 8, "group_by": "category"},
         "mlflow": {"tracking_uri": f"sqlite:///{world / 'mlflow.db'}", "experiment": "micro"},
     }
     return config_from_dict(merge_overrides(raw, overrides))

@@ -63,7 +63,7 @@ import os
 import random
 import shutil
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,14 +81,7 @@ from trainer.config import PipelineConfig, resolved_hyperparameters
 from trainer.data import split_items
 from trainer.errors import ConfigError
 from trainer.evaluate import summarize
-from trainer.loss import (
-    batch_advantages,
-    chunked_logprobs,
-    derived_seed,
-    lr_factor,
-    policy_loss,
-    token_weights,
-)
+from trainer.loss import batch_advantages, derived_seed, lr_factor
 from trainer.metrics import MetricsSink
 from trainer.plots import plot_training
 from trainer.policy import load_policy, local_model_path
@@ -100,10 +93,9 @@ from trainer.rollout import (
     run_rollouts_async,
 )
 from trainer.tools import ToolClient, ToolEndpoint
+from trainer.update import PolicyUpdate
 
 KEPT_GROUPS = 4  # groups per step whose best and worst rollouts are written out whole
-# Names of the stats summed over micro-batches (and processes) in one step.
-_STATS = ("loss", "kl", "clipped", "entropy", "tokens", "sampler_kl", "tis_capped")
 
 
 class DataOrder:
@@ -282,6 +274,8 @@ class GRPOTrainer:
             weight_decay=training.weight_decay,
         )
         self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.updater = PolicyUpdate(acc, self.model, self.optimizer, config=self.config, tokenizer=self.tokenizer,
+                                    reference=self.reference, temperature=self.temperature)
         from trainer.backends import make_generator
 
         self.generator = self._exit.enter_context(make_generator(self.config, self, self.output_dir))
@@ -422,7 +416,7 @@ class GRPOTrainer:
         )
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
-        update = self._update(records, advantages, step)
+        update = self.updater.update(records, advantages, step)
         training_s = time.perf_counter() - started
 
         gathered = gather_object([(_without_tokens(r), a) for r, a in zip(records, advantages, strict=True)])
@@ -472,144 +466,6 @@ class GRPOTrainer:
             return asyncio.run(run())
         finally:
             model.train()
-
-    def _update(self, records: list[RolloutRecord], advantages: list[float | None], step: int) -> dict[str, float]:
-        """`ppo_epochs` passes of clipped policy-gradient updates over the rollouts that
-        have an advantage; returns the step's training metrics."""
-        acc, training = self.accelerator, self.config.training
-        chosen = [(r, a) for r, a in zip(records, advantages, strict=True) if a is not None]
-        sums = torch.zeros(len(_STATS), device=acc.device)
-        sampler_diff_max = torch.zeros((), device=acc.device)
-        norms: list[float] = []
-        old: dict[int, torch.Tensor] = {}  # rollout index -> logprob of each token, by position
-        if training.ppo_epochs > 1:  # the policy before this step's updates, once
-            with torch.no_grad():
-                for batch in self._micro_batches(list(enumerate(chosen))):
-                    logprobs, tensors = self._logprobs(batch)
-                    for row, (index, (record, _)) in enumerate(batch):
-                        by_position = torch.zeros(len(record.token_ids), device=acc.device)
-                        span = len(record.token_ids) - tensors["first"]
-                        by_position[tensors["first"]:] = logprobs[row, :span]
-                        old[index] = by_position
-        for ppo_epoch in range(training.ppo_epochs):
-            order = list(enumerate(chosen))
-            random.Random(derived_seed(training.seed, f"ppo:{ppo_epoch}", step)).shuffle(order)
-            per_update = math.ceil(len(order) / training.mini_batches) if order else 0
-            updates = [order[i : i + per_update] for i in range(0, len(order), per_update)] if order else []
-            # Every process runs the same number of updates and micro-batches in each.
-            n_updates = int(acc.gather(torch.tensor([len(updates)], device=acc.device)).max())
-            if n_updates == 0:
-                break  # no group varies on any process: nothing to learn from this batch
-            updates += [[] for _ in range(n_updates - len(updates))]
-            for rows in updates:
-                micro = self._micro_batches(rows)
-                n_micro = int(acc.gather(torch.tensor([len(micro)], device=acc.device)).max())
-                micro += [[] for _ in range(n_micro - len(micro))]
-                totals = acc.gather(torch.tensor([
-                    float(sum(sum(r.gen_mask) for _, (r, _) in rows)), float(len(rows))], device=acc.device))
-                totals = totals.view(acc.num_processes, 2).sum(0).tolist()
-                for index, batch in enumerate(micro):
-                    # Gradients add up locally; DDP averages them over processes once, at the
-                    # update's last micro-batch, so the loss is scaled by the process count.
-                    sync = index == len(micro) - 1
-                    with nullcontext() if sync else acc.no_sync(self.model):
-                        loss, stats = self._micro_batch_loss(batch, old, update_tokens=totals[0],
-                                                             update_rollouts=totals[1])
-                        acc.backward(loss * acc.num_processes)
-                    sums += torch.stack([stats.get(name, torch.zeros((), device=acc.device)) for name in _STATS])
-                    sampler_diff_max = torch.maximum(sampler_diff_max, stats.get("sampler_diff_max", sampler_diff_max))
-                norm = acc.clip_grad_norm_(self.model.parameters(), training.max_grad_norm)
-                norms.append(float(norm) if norm is not None else float("nan"))
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        totals = dict(zip(_STATS, acc.reduce(sums, reduction="sum").tolist(), strict=True))
-        tokens = max(totals["tokens"], 1.0)
-        return {
-            "train/loss": totals["loss"] / max(len(norms), 1),
-            "train/kl": totals["kl"] / tokens,
-            "train/clip_fraction": totals["clipped"] / tokens,
-            "train/entropy": totals["entropy"] / tokens,
-            "train/sampler_kl": totals["sampler_kl"] / tokens,
-            "train/sampler_diff_max": float(acc.reduce(sampler_diff_max, reduction="max") if acc.num_processes > 1
-                                            else sampler_diff_max),
-            "train/tis_capped_share": totals["tis_capped"] / tokens,
-            "train/grad_norm": sum(norms) / len(norms) if norms else 0.0,
-            "train/updates": float(len(norms)),
-        }
-
-    def _micro_batches(self, rows: list[tuple[int, tuple[RolloutRecord, float]]]) -> list[list[Any]]:
-        """Micro-batches of `micro_batch_size` rollouts of similar length (sorted: less
-        padding, and the update's gradient is a sum, so the grouping does not change it)."""
-        ordered = sorted(rows, key=lambda row: len(row[1][0].token_ids))
-        size = self.config.training.micro_batch_size
-        return [ordered[i : i + size] for i in range(0, len(ordered), size)]
-
-    def _logprobs(self, batch: list[tuple[int, tuple[RolloutRecord, float]]], *, model: Any = None,
-                  entropy: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Log-probabilities under `model` (default the policy) of the micro-batch's tokens
-        from position `first` (the earliest generated token of any row) to the end: [B, K],
-        with the generation mask over the same span, `first`, and the summed entropy."""
-        device, pad = self.accelerator.device, self.tokenizer.pad_token_id
-        rows = [record for _, (record, _) in batch]
-        ids_rows = [r.token_ids for r in rows] or [[pad, pad]]  # an empty micro-batch: a two-token dummy
-        masks = [r.gen_mask for r in rows] or [[0, 0]]
-        width = max(len(ids) for ids in ids_rows)
-        input_ids = torch.full((len(ids_rows), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(ids_rows), width), dtype=torch.long)
-        generated = torch.zeros((len(ids_rows), width), dtype=torch.bool)
-        for b, (ids, gen_mask) in enumerate(zip(ids_rows, masks, strict=True)):
-            input_ids[b, : len(ids)] = torch.tensor(ids)
-            attention[b, : len(ids)] = 1
-            generated[b, : len(ids)] = torch.tensor(gen_mask, dtype=torch.bool)
-        input_ids, attention, generated = input_ids.to(device), attention.to(device), generated.to(device)
-        # Logits only from the first generated token's predecessor on: the prompt is context,
-        # and no [B, L, V] tensor of the whole sequences is made.
-        first = int(generated.float().argmax(-1)[generated.any(-1)].min()) if generated.any() else width - 1
-        first = max(first, 1)
-        forward = model or self.model
-        logits = forward(input_ids=input_ids, attention_mask=attention, use_cache=False,
-                         logits_to_keep=width - first + 1).logits
-        mask = generated[:, first:]
-        logprobs, ent = chunked_logprobs(logits[:, :-1], input_ids[:, first:], self.temperature,
-                                         chunk=self.config.training.logprob_chunk_tokens, with_entropy=entropy,
-                                         mask=mask)
-        return logprobs, {"mask": mask, "first": first, "entropy": ent}
-
-    def _micro_batch_loss(
-        self, batch: list[tuple[int, tuple[RolloutRecord, float]]], old: dict[int, torch.Tensor], *,
-        update_tokens: float, update_rollouts: float,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The update's loss share of a micro-batch and its stats. An empty batch is a
-        two-token dummy that contributes nothing but keeps DDP in step."""
-        device, training = self.accelerator.device, self.config.training
-        new, tensors = self._logprobs(batch, entropy=True)
-        mask, first = tensors["mask"], tensors["first"]
-        span = new.size(1)
-
-        def aligned(values: list[float] | torch.Tensor) -> torch.Tensor:
-            row = torch.as_tensor(values, dtype=torch.float32, device=device)[first : first + span]
-            return torch.nn.functional.pad(row, (0, span - row.numel()))
-
-        old_t = torch.stack([aligned(old[i]) for i, _ in batch]) if old and batch else new.detach()
-        sampler = torch.stack([aligned(record.logprobs) for _, (record, _) in batch]) if batch else new.detach()
-        advantages = torch.tensor([a for _, (_, a) in batch] or [0.0], device=device)
-        ref = self._reference_logprobs(batch) if training.kl_coef > 0 else None
-        weights = token_weights(mask, loss_type=training.loss_type, update_tokens=update_tokens,
-                                update_rollouts=update_rollouts, max_tokens=self.config.rollout.max_total_tokens)
-        loss, stats = policy_loss(
-            new, old_t, advantages, mask, weights, epsilon=training.epsilon, epsilon_high=training.epsilon_high,
-            loss_type=training.loss_type, sampler=sampler, tis_cap=training.tis_cap, kl_coef=training.kl_coef, ref=ref,
-        )
-        stats["entropy"] = tensors["entropy"]
-        return loss, stats
-
-    def _reference_logprobs(self, batch: list[Any]) -> torch.Tensor:
-        with torch.no_grad(), self.accelerator.autocast():
-            if self.reference is not None:
-                return self._logprobs(batch, model=self.reference)[0]
-            peft_model = self.accelerator.unwrap_model(self.model)  # LoRA: the base under the adapters
-            with peft_model.disable_adapter():
-                return self._logprobs(batch, model=peft_model)[0]
 
     # -- evaluation, records, checkpoints ----------------------------------------------
 

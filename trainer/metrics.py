@@ -66,6 +66,12 @@ class MetricsSink:
         if self.run_id:
             from mlflow import MlflowClient
 
+            # MLflow's REST client retries a refused connection 7 times with exponential
+            # backoff (minutes) before raising; the sink's own retries, with their deadline
+            # (unavailable_timeout_s), decide instead.
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
             self._client = MlflowClient(tracking_uri=tracking_uri)
 
     def _retry(self, call: Callable[[], T], what: str) -> T:

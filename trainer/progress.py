@@ -9,21 +9,23 @@ forwards) at most every `every_s` seconds otherwise, plus one at the end.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-EVERY_S = 20.0
+EVERY_S = float(os.environ.get("AGENTRFT_PROGRESS_EVERY_S", "20"))  # a line at least every 30 s
 
 
 class Progress:
     """`update(n)` as units finish; `close()` at the end (or use it as a context manager)."""
 
     def __init__(self, total: int, desc: str, *, log: Callable[[str], Any] | None = None, unit: str = "rollouts",
-                 every_s: float = EVERY_S):
-        self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
+                 every_s: float | None = None):
+        self.total, self.desc, self.unit = total, desc, unit
+        self.every_s = EVERY_S if every_s is None else every_s
         self.log = log or (lambda line: print(line, flush=True))
         self.done = 0
         self.started = self._last = time.monotonic()

@@ -1,18 +1,20 @@
 """The pipeline end to end on a micro preset, under Prefect's test harness (a real API
 server) with MLflow on a temporary SQLite store and the real tool server on loopback.
 
-A tiny taught model, two training and two evaluation items, two GRPO steps in an
-`accelerate launch`ed subprocess. The first run promotes (its learning rate is so small
-that the candidate equals the base model: the gain is exactly 0, above the test's gate of
--0.01); the unchanged second run is served from cache; a run whose training destroys the
-model registers it as challenger but never as champion; a rollback moves champion back; a
-drifted dataset stops at validation and a failed baseline gate stops at the baseline.
+A tiny taught model, six GRPO steps in an `accelerate launch`ed subprocess, the default
+promotion gates. The first run trains a candidate clearly better than the base and
+promotes it on the test items; only the regression stage reads them; the unchanged second
+run is served from cache, read from the tasks' Prefect states; a run whose training
+destroys the model registers it as challenger but never as champion; a rollback moves
+champion back; a drifted dataset stops at validation and a failed baseline gate stops at
+the baseline.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import mlflow
 import pytest
 import yaml
 
@@ -21,6 +23,7 @@ from tasks.data_version import add
 from tasks.expectations import derive_and_save
 from tasks.tracking import mlflow_client
 from tests.pipeline_world import micro
+from trainer.data import read_items, read_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -68,14 +71,31 @@ def test_first_run_records_six_stages_and_promotes(first_run):
     assert baseline["baseline/rollouts"] == 4 and 0 <= baseline["baseline/score_mean"] <= 1
     assert baseline["baseline/best_of_k_mean"] >= baseline["baseline/score_mean"]
     training = client.get_metric_history(stages["rft_training"].info.run_id, "train/reward_mean")
-    assert sorted(m.step for m in training) == [1, 2]
-    assert stages["regression_eval"].data.metrics["regression/gain"] == 0.0
+    assert sorted(m.step for m in training) == [1, 2, 3, 4, 5, 6]
+    regression = stages["regression_eval"].data.metrics
+    assert regression["regression/gain_low"] > 0 and regression["regression/gates_passed"] == 1.0
+    assert outcome["score_gain"]["gain"] > 0.15
     inputs = {d.dataset.name: d.dataset.digest for d in stages["validate_data"].inputs.dataset_inputs}
     assert set(inputs) == {"train.jsonl", "validation.jsonl", "test.jsonl"} and len(set(inputs.values())) == 1
     for stage, artifact in (("validate_data", "validation_report.md"), ("baseline", "per_item_spread.png"),
                             ("prompt_optimization", "variants.md"), ("regression_eval", "regression_report.md"),
                             ("regression_eval", "reward_hacking_probes.json"), ("promotion", "promotion.json")):
         assert artifact in {a.path for a in client.list_artifacts(stages[stage].info.run_id)}, (stage, artifact)
+
+    # the test items are read by the regression evaluation alone: every other stage's rollouts
+    # come from the validation (or training) items
+    splits = {name: {row["id"] for row in read_items(Path(getattr(config.data, f"{name}_file")))}
+              for name in ("train", "validation", "test")}
+    for stage, artifact in (("baseline", "rollouts.jsonl"), ("regression_eval", "candidate/rollouts.jsonl"),
+                            ("regression_eval", "baseline/rollouts.jsonl")):
+        ids = {row["item_id"] for row in read_jsonl(client.download_artifacts(stages[stage].info.run_id, artifact))}
+        assert ids <= (splits["test"] if stage == "regression_eval" else splits["validation"]), (stage, ids)
+    evaluated = {row["item_id"] for path in ("rollouts/eval_step_0.jsonl", "rollouts/eval_step_6.jsonl")
+                 for row in read_jsonl(client.download_artifacts(stages["rft_training"].info.run_id, path))}
+    assert evaluated <= splits["validation"]
+    traces = mlflow.search_traces(locations=[parent.info.experiment_id], return_type="list",
+                                  filter_string="tags.kind = 'candidate'")
+    assert traces and {s.name.split(" ")[0] for s in traces[0].data.spans} >= {"rollout", "turn", "grade"}
 
     version = client.get_model_version_by_alias("micro-agent", "champion")
     assert str(version.version) == outcome["version"] == "1"
