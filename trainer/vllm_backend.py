@@ -54,33 +54,32 @@ import contextlib
 import hashlib
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import tempfile
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import torch
 
-from trainer.api_key import resolve_api_key
 from trainer.engine import GenerationBackend, SamplingParams, TurnOutput
-from trainer.errors import AgentRFTError, ConfigError, InfraError
+from trainer.errors import ConfigError, InfraError
+from trainer.vllm_servers import (
+    SESSION_HEADER,
+    LaunchedServer,
+    ServerInfo,
+    VllmServers,
+    free_port,
+    launched_server,
+    reset_prefix_cache,
+    server_args,
+)
 
-TESTED_VLLM_VERSIONS = ("0.32.",)  # version prefixes this module was tested against
-SERVED_NAME = "agentrft-policy"  # the model name of a server this module launches
-WORKER_EXTENSION = "trainer.vllm_worker.WeightSyncExtension"
-SESSION_HEADER = "X-Session-ID"  # vLLM's header for requests of one session
-_REPO_ROOT = Path(__file__).resolve().parents[1]  # holds trainer/, put on the server's PYTHONPATH
 _POLL_S = 0.02  # how long step() waits for a turn before handing control back to the loop
-_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 
 T = TypeVar("T")
 
@@ -89,169 +88,8 @@ T = TypeVar("T")
 # The servers: HTTP, retries, replica choice.
 
 
-@dataclass
-class ServerInfo:
-    """What a server says about itself at start."""
-
-    url: str
-    version: str
-    model: str  # the served base model's name
-    max_model_len: int
-    logprobs_mode: str | None  # None when the server does not expose its config (no dev mode)
 
 
-class VllmServers:
-    """One or more vLLM OpenAI-compatible servers serving the same model.
-
-    Requests that fail for reasons of infrastructure (refused connection, timeout, 5xx)
-    are retried `max_retries` times in all, waiting `backoff_s * 2**k` between attempts,
-    on another replica when there is one; then `InfraError`. A 4xx is a request the
-    server will never accept (a context too long for its `--max-model-len`, an unknown
-    adapter): `ConfigError` at once, with the server's words.
-    """
-
-    def __init__(
-        self,
-        urls: list[str],
-        *,
-        api_key: str | None = None,
-        request_timeout_s: float = 600.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-        max_concurrent: int = 64,
-    ):
-        if not urls:
-            raise ConfigError("rollout.vllm.urls is empty and rollout.vllm.launch is false: give the URLs of "
-                              "running vLLM servers, or set launch: true")
-        self.urls = [url.rstrip("/") for url in urls]
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        key = resolve_api_key(api_key)
-        self._http = httpx.Client(
-            timeout=httpx.Timeout(request_timeout_s, connect=min(10.0, request_timeout_s)),
-            limits=httpx.Limits(max_connections=max_concurrent + 8, max_keepalive_connections=max_concurrent + 8),
-            headers={"Authorization": f"Bearer {key}"} if key else {},
-        )
-        # One pool for every backend over these servers: a turn is a blocking HTTP request.
-        self.pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="vllm-request")
-        self._lock = threading.Lock()
-        self._load = {url: 0 for url in self.urls}  # live sequences per replica
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self._http.close()
-
-    # -- replica choice --------------------------------------------------------------------------
-
-    def assign(self, avoid: str | None = None) -> str:
-        """The replica with the fewest live sequences (the first of equals), counted as one more."""
-        with self._lock:
-            candidates = [u for u in self.urls if u != avoid] or self.urls
-            url = min(candidates, key=lambda u: self._load[u])
-            self._load[url] += 1
-            return url
-
-    def unassign(self, url: str) -> None:
-        with self._lock:
-            self._load[url] = max(0, self._load[url] - 1)
-
-    # -- requests --------------------------------------------------------------------------------
-
-    def request(
-        self,
-        method: str,
-        url: str,
-        path: str,
-        *,
-        json: Any = None,
-        params: dict[str, Any] | None = None,
-        headers: dict[str, str] | None = None,
-        timeout_s: float | None = None,
-        failover: Callable[[str], str] | None = None,
-    ) -> tuple[str, Any]:
-        """Send one request with retries; returns (the URL that answered, its JSON or None).
-        `failover(url)` names the replica to try after `url` failed (default: `url` again)."""
-        reason = ""
-        tried: list[str] = []
-        for attempt in range(1, self.max_retries + 1):
-            tried.append(url)
-            try:
-                response = self._http.request(
-                    method, f"{url}{path}", json=json, params=params, headers=headers,
-                    timeout=httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s,
-                )
-            except httpx.TimeoutException as exc:
-                reason = f"no answer within the timeout ({type(exc).__name__})"
-            except httpx.TransportError as exc:
-                reason = f"{type(exc).__name__}: {exc or 'connection failed'}"
-            else:
-                if response.status_code < 400:
-                    json_answer = response.headers.get("content-type", "").startswith("application/json")
-                    return url, (response.json() if json_answer else response.text or None)
-                detail = response.text[:500]
-                if response.status_code in (401, 403):
-                    raise ConfigError(f"vLLM server {url} refused the API key (HTTP {response.status_code}); "
-                                      "check rollout.vllm.api_key")
-                if response.status_code < 500 and response.status_code != 429:
-                    raise ConfigError(f"vLLM server {url} refused {method} {path} (HTTP {response.status_code}): "
-                                      f"{detail}")
-                reason = f"HTTP {response.status_code}: {detail}"
-            if attempt < self.max_retries:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-                url = failover(url) if failover is not None else url
-        servers = ", ".join(dict.fromkeys(tried))
-        raise InfraError(
-            f"vLLM server {servers} failed {method} {path} after {self.max_retries} attempts; last: {reason}. "
-            "Check that the server is running and reachable (rollout.vllm.urls), or its log",
-            endpoint=tried[-1], attempts=self.max_retries,
-        )
-
-    def post(self, url: str, path: str, body: Any = None, **kwargs: Any) -> Any:
-        return self.request("POST", url, path, json=body, **kwargs)[1]
-
-    def get(self, url: str, path: str, **kwargs: Any) -> Any:
-        return self.request("GET", url, path, **kwargs)[1]
-
-    def describe(self, url: str) -> ServerInfo:
-        """Version, served model and context length of one server."""
-        version = (self.get(url, "/version") or {}).get("version", "unknown")
-        models = (self.get(url, "/v1/models") or {}).get("data", [])
-        base = [m for m in models if not m.get("parent")] or models
-        if not base:
-            raise InfraError(f"vLLM server {url} serves no model (GET /v1/models)", endpoint=url)
-        logprobs_mode = None
-        with contextlib.suppress(AgentRFTError):  # /server_info exists only in dev mode
-            config = self.get(url, "/server_info", params={"config_format": "json"})["vllm_config"]
-            logprobs_mode = config["model_config"]["logprobs_mode"]
-        return ServerInfo(url, version, base[0]["id"], int(base[0].get("max_model_len") or 0), logprobs_mode)
-
-    def check(self, *, max_total_tokens: int, temperature: float, top_p: float) -> list[ServerInfo]:
-        """Refuse servers that cannot serve the rollouts as configured; warn about untested versions."""
-        infos = [self.describe(url) for url in self.urls]
-        for info in infos:
-            if not info.version.startswith(TESTED_VLLM_VERSIONS):
-                warnings.warn(
-                    f"vLLM server {info.url} runs vLLM {info.version}; this trainer was tested with "
-                    f"{', '.join(v + 'x' for v in TESTED_VLLM_VERSIONS)} (scripts/vllm_env.sh installs it)",
-                    stacklevel=2,
-                )
-            if info.max_model_len and info.max_model_len < max_total_tokens:
-                raise ConfigError(
-                    f"vLLM server {info.url} serves {info.max_model_len} tokens of context, less than "
-                    f"rollout.max_total_tokens ({max_total_tokens}); start it with --max-model-len "
-                    f"{max_total_tokens} or lower max_total_tokens"
-                )
-            sampling_differs = temperature not in (0.0, 1.0) or top_p < 1.0
-            if info.logprobs_mode not in (None, "processed_logprobs") and sampling_differs:
-                raise ConfigError(
-                    f"vLLM server {info.url} reports {info.logprobs_mode} log-probabilities, which ignore the "
-                    f"rollout temperature ({temperature}); start it with --logprobs-mode processed_logprobs"
-                )
-        names = {info.model for info in infos}
-        if len(names) > 1:
-            raise ConfigError(f"the vLLM servers serve different models ({sorted(names)}); "
-                              "every replica in rollout.vllm.urls must serve the same one")
-        return infos
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,132 +249,18 @@ class VllmBackend(GenerationBackend):
 # A server started for the run.
 
 
-def vllm_python(python: str) -> str:
-    """The interpreter of the vLLM environment: as given, or relative to the project root."""
-    for candidate in (Path(python), _REPO_ROOT / python):
-        if candidate.is_file():
-            return str(candidate.absolute())  # not resolve(): a venv's python is a symlink out of the venv
-    raise ConfigError(
-        f"rollout.vllm.python: {python} not found; create the vLLM environment with scripts/vllm_env.sh "
-        "(`make vllm`), or point it at a python that has vllm installed"
-    )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
-@dataclass
-class LaunchedServer:
-    """A vLLM server this process started."""
-
-    url: str
-    process: subprocess.Popen
-    log_path: Path
-    startup_s: float
 
 
-@contextlib.contextmanager
-def launched_server(
-    python: str,
-    model_dir: str,
-    *,
-    args: list[str],
-    log_path: Path,
-    startup_timeout_s: float,
-    api_key: str | None = None,
-    env: dict[str, str] | None = None,
-) -> Iterator[LaunchedServer]:
-    """Start `python -m vllm.entrypoints.openai.api_server` for `model_dir` on a free loopback
-    port, wait until it answers /health, and stop it (and its engine processes) on exit.
-    A server that exits or is not ready in time raises `InfraError` with the end of its log."""
-    port = _free_port()
-    command = [
-        vllm_python(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), *args,
-    ]
-    child_env = {
-        **os.environ,
-        "VLLM_HOST_IP": "127.0.0.1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(_REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
-        **(env or {}),
-    }
-    key = resolve_api_key(api_key)
-    if key:
-        child_env["VLLM_API_KEY"] = key  # not on the command line, where `ps` would show it
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    url = f"http://127.0.0.1:{port}"
-    started = time.monotonic()
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                   start_new_session=True)  # its own process group: stopped as one
-    try:
-        while True:
-            if process.poll() is not None:
-                raise InfraError(f"the vLLM server for {model_dir} exited with code {process.returncode} while "
-                                 f"starting; the end of its log ({log_path}):\n{_tail(log_path)}", endpoint=url)
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() - started > startup_timeout_s:
-                raise InfraError(
-                    f"the vLLM server for {model_dir} was not ready within rollout.vllm.startup_timeout_s "
-                    f"({startup_timeout_s:.0f} s); the end of its log ({log_path}):\n{_tail(log_path)}", endpoint=url,
-                )
-            time.sleep(1.0)
-        startup_s = time.monotonic() - started
-        print(f"vLLM server ready at {url} in {startup_s:.0f} s (log: {log_path})", flush=True)
-        yield LaunchedServer(url, process, log_path, startup_s)
-    finally:
-        _stop(process)
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL if it is still there after 30 s."""
-    if process.poll() is not None:
-        return
-    for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        try:
-            process.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
-def server_args(
-    *, max_model_len: int, dtype: str = "auto", lora_rank: int | None = None, nccl: bool = False,
-    extra_args: Sequence[str] = (),
-) -> tuple[list[str], dict[str, str]]:
-    """Command-line arguments and environment of a server this module launches."""
-    args = [
-        "--served-model-name", SERVED_NAME,
-        "--max-model-len", str(max_model_len),
-        "--logprobs-mode", "processed_logprobs",
-        "--generation-config", "vllm",  # the request's sampling values, not the model's defaults
-        "--worker-extension-cls", WORKER_EXTENSION,
-    ]
-    if dtype != "auto":
-        args += ["--dtype", dtype]
-    # Dev mode: /collective_rpc, /reset_prefix_cache and the weight-transfer routes. Runtime
-    # LoRA loading is allowed whenever --enable-lora is given, here or in extra_args.
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
-    if lora_rank is not None:
-        rank = next((r for r in _LORA_RANKS if r >= lora_rank), _LORA_RANKS[-1])
-        args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
-    if nccl:
-        args += ["--weight-transfer-config", '{"backend": "nccl"}']
-    return args + list(extra_args), env
 
 
 # ----------------------------------------------------------------------------------------------
@@ -781,7 +505,7 @@ class VllmGenerator:
         world = self.servers.get(url, "/get_world_size")["world_size"]
         address = "127.0.0.1" if url.startswith("http://127.0.0.1") else socket.gethostbyname(socket.gethostname())
         return WeightTransferTrainerFactory.trainer_init(
-            NCCLTrainerInitInfo(master_address=address, master_port=_free_port(), world_size=world + 1),
+            NCCLTrainerInitInfo(master_address=address, master_port=free_port(), world_size=world + 1),
             client=_HttpWeightSyncClient(self.servers, url), source=MergedWeights(),
         )
 
@@ -815,14 +539,6 @@ class _HttpWeightSyncClient:
                           {"weight_version": weight_version} if weight_version is not None else None)
 
 
-def reset_prefix_cache(servers: VllmServers, url: str) -> None:
-    """Drop the server's cached keys and values: after a weight change they belong to the old
-    weights. vLLM refuses while blocks are held (requests finishing): try again shortly."""
-    for _ in range(50):
-        if (servers.post(url, "/reset_prefix_cache") or {}).get("success", True):
-            return
-        time.sleep(0.2)
-    raise InfraError(f"vLLM server {url} did not reset its prefix cache after the weight change", endpoint=url)
 
 
 def _servable_dir(trainer: Any, fallback: Path) -> str:
