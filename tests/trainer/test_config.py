@@ -5,33 +5,61 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
+from tasks.tracking import flat_params
 from trainer.config import (
     PipelineConfig,
     config_from_dict,
     load_config,
+    merge_overrides,
     missing_env_vars,
+    parse_overrides,
     resolved_hyperparameters,
 )
 from trainer.errors import ConfigError
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = [REPO / "envs" / "finqa" / "demo.yaml", *sorted((REPO / "configs").glob("*.yaml"))]
+# The two keys every job must name; the rest has defaults.
+MINIMAL = {"model": {"base_model": "Qwen/Qwen3-0.6B"},
+           "grader": {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
+                      "reference": "{{item.answer}}", "operation": "eq"}}
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "test.yaml", "gpu.yaml"])
-def test_shipped_configs_load(name: str) -> None:
-    config = load_config(CONFIGS / name)
+def minimal(**sections: dict) -> PipelineConfig:
+    return config_from_dict(merge_overrides(MINIMAL, sections))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(REPO)))
+def test_shipped_configs_load(path: Path) -> None:
+    config = load_config(path)
     assert isinstance(config, PipelineConfig)
 
 
+def test_model_and_grader_are_required(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("name: job\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+    assert "model: required key is missing" in str(err.value)
+    assert "grader: required key is missing" in str(err.value)
+
+
+def test_registered_model_defaults_to_the_job_name() -> None:
+    assert minimal(name="support-agent").registered_model == "support-agent"
+    assert minimal(name="support-agent", promotion={"registered_model": "prod"}).registered_model == "prod"
+
+
 def test_defaults_and_auto_resolution() -> None:
-    config = config_from_dict({})
+    config = minimal()
     hp = resolved_hyperparameters(config.training)
     assert hp["n_epochs"] == 1
     assert hp["batch_size"] == 8
     assert hp["learning_rate"] == pytest.approx(1e-5)
     assert hp["group_size"] == 8
-    config = config_from_dict({"training": {"learning_rate_multiplier": 3, "compute_multiplier": 0.5}})
+    config = minimal(training={"learning_rate_multiplier": 3, "compute_multiplier": 0.5})
     hp = resolved_hyperparameters(config.training)
     assert hp["learning_rate"] == pytest.approx(3e-5)
     assert hp["group_size"] == 4
@@ -77,33 +105,42 @@ def test_file_level_errors(tmp_path: Path, content: bytes | None, expected: str)
 def test_empty_file_gives_defaults(tmp_path: Path) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text("")
-    assert load_config(path).training.seed == 42
+    with pytest.raises(ConfigError, match="model: required key is missing"):
+        load_config(path)
+
+
+def test_a_file_with_the_required_keys_gets_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL))
+    config = load_config(path)
+    assert config.training.seed == 42 and config.training.loss_type == "dapo"
+    assert config.training.scale_rewards == "group" and config.data.test_file == "data/test.jsonl"
+    assert config.promotion.group_by is None and config.data.dvc_file is None
 
 
 def test_invalid_grader_is_a_config_error() -> None:
     with pytest.raises(ConfigError) as err:
-        config_from_dict({"grader": {"type": "no_such_grader"}}, source="job.yaml")
+        config_from_dict({**MINIMAL, "grader": {"type": "no_such_grader"}}, source="job.yaml")
     assert "job.yaml" in str(err.value)
     assert "grader" in str(err.value)
 
 
 def test_header_secrets_stay_templates(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FINQA_TOKEN", "s3cr3t-value")
-    config = config_from_dict(
-        {
-            "tools": {
-                "endpoints": [
-                    {
-                        "name": "search",
-                        "server_url": "http://127.0.0.1:1/tools/search",
-                        "headers": {"Authorization": "Bearer ${FINQA_TOKEN}"},
-                    }
-                ]
-            }
+    config = minimal(
+        tools={
+            "endpoints": [
+                {
+                    "name": "search",
+                    "server_url": "http://127.0.0.1:1/tools/search",
+                    "headers": {"Authorization": "Bearer ${FINQA_TOKEN}"},
+                }
+            ]
         }
     )
     assert missing_env_vars(config) == []
-    flat = config.flat_params()
+    flat = flat_params(dict(config))  # what the pipeline logs as MLflow params
+    assert flat["tools.endpoints"].count("Bearer ${FINQA_TOKEN}") == 1
     assert all("s3cr3t-value" not in value for value in flat.values())
     assert "s3cr3t-value" not in config.model_dump_json()
     monkeypatch.delenv("FINQA_TOKEN")
@@ -111,13 +148,40 @@ def test_header_secrets_stay_templates(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_section_hash_tracks_only_named_sections() -> None:
-    a = config_from_dict({})
-    b = config_from_dict({"training": {"seed": 7}})
+    a = minimal()
+    b = minimal(training={"seed": 7})
     assert a.section_hash("data", "baseline") == b.section_hash("data", "baseline")
     assert a.section_hash("training") != b.section_hash("training")
 
 
 def test_openai_hyperparameters_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="training.batch_size"):
-        config_from_dict({"training": {"batch_size": 0}})
-    assert config_from_dict({"training": {"batch_size": 4}}).training.batch_size == 4
+        minimal(training={"batch_size": 0})
+    assert minimal(training={"batch_size": 4}).training.batch_size == 4
+
+
+def test_set_overrides_are_typed_like_yaml(tmp_path: Path) -> None:
+    overrides = parse_overrides(["training.max_steps=2", "training.lora.r=8", "rollout.system_prompt=Be brief.",
+                                 "data.test_file=null", "promotion.run_probes=false"])
+    assert overrides == {"training": {"max_steps": 2, "lora": {"r": 8}}, "rollout": {"system_prompt": "Be brief."},
+                         "data": {"test_file": None}, "promotion": {"run_probes": False}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({**MINIMAL, "training": {"batch_size": 4, "max_steps": 10}}))
+    config = load_config(path, overrides)
+    assert config.training.max_steps == 2 and config.training.batch_size == 4  # merged, not replaced
+    assert config.training.lora.r == 8 and config.data.test_file is None and config.promotion.run_probes is False
+    with pytest.raises(ConfigError, match=r"training\.max_step: unknown key"):
+        load_config(path, parse_overrides(["training.max_step=2"]))
+
+
+@pytest.mark.parametrize("assignment", ["training.max_steps", "=2", "training..seed=1", "a.b=[1, 2"])
+def test_malformed_set_overrides_are_config_errors(assignment: str) -> None:
+    with pytest.raises(ConfigError, match="--set"):
+        parse_overrides([assignment])
+
+
+def test_scale_rewards_takes_trl_booleans() -> None:
+    assert minimal(training={"scale_rewards": True}).training.scale_rewards == "group"
+    assert minimal(training={"scale_rewards": False}).training.scale_rewards == "none"
+    with pytest.raises(ConfigError, match="training.scale_rewards"):
+        minimal(training={"scale_rewards": "item"})

@@ -115,7 +115,7 @@ def test_numeric_grader_defaults_read_output_text_and_reference_answer() -> None
 
 
 def test_finqa_demo_grader_config() -> None:
-    config = validate_grader_file(REPO_ROOT / "configs" / "graders" / "finqa_numeric.json")
+    config = validate_grader_file(REPO_ROOT / "envs" / "finqa" / "grader.json")
     item = {"reference_answer": "-3.2%", "exe_ans": -0.032}
     assert grade(config, {"output_text": "The margin fell.\nAnswer: -3.2%"}, item).reward == 1.0
     assert grade(config, {"output_text": "Answer: -0.032"}, item).reward == 1.0

@@ -11,7 +11,7 @@ from trainer.data import read_items
 from trainer.graders.probe import probe_answers, run_probes
 
 REPO = Path(__file__).resolve().parents[3]
-DEMO_GRADER = REPO / "configs" / "graders" / "finqa_numeric.json"
+DEMO_GRADER = REPO / "envs" / "finqa" / "grader.json"
 
 
 def test_at_least_twenty_probes_of_the_required_kinds(demo_data_dir: Path) -> None:
