@@ -1,11 +1,13 @@
-"""The FinQA-style demo data: the DVC pin, determinism, drift, programs, gold pages, splits,
-and the loader for the real FinQA JSON format."""
+"""The FinQA-style demo data: the DVC pin (checked by DVC itself), determinism, drift,
+programs, gold pages, the three fact-disjoint splits, and the loader for the real FinQA
+JSON format."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -13,39 +15,42 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from envs.finqa.dvc_pin import dir_manifest, dir_md5, pinned_md5, verify_data
 
+from envs.finqa.demo import DEMO_CONFIG, ensure_data
 from envs.finqa.finqa_format import infer_category, load_finqa_json
 from envs.finqa.generate import (
     LINE_ITEMS,
     REPORT_YEARS,
     TICKERS,
+    TOPIC_OF,
+    TOPICS,
     TRAFFIC_DAYS,
     TRAFFIC_START,
+    assign_fact_units,
     execute_program,
     generate_dataset,
     normalize_question,
 )
 from envs.finqa.tool_schemas import TOOL_SCHEMAS
+from tasks.data_version import add, check_pinned, data_version, files_md5, init, pinned_md5
+from trainer.config import load_config
+from trainer.data import read_jsonl
 from trainer.errors import DataError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SPLITS = ("train", "eval", "production_traffic")
+SPLITS = ("train", "validation", "test", "production_traffic")
 ITEM_KEYS = [
     "id", "messages", "tools", "question", "reference_answer", "exe_ans", "program",
     "category", "ticker", "year", "gold_pages",
 ]  # fmt: skip
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+PIN = "d0e4a548ead0940b603a0229fff665fa"  # data.dvc's md5, as DVC computed it
 
 
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("finqa") / "data"
     counts = generate_dataset(out, seed=0)
-    assert counts == {"pages": 2800, "train": 2000, "eval": 250, "production_traffic": 4000}
+    assert counts == {"pages": 2800, "train": 2000, "validation": 250, "test": 250, "production_traffic": 4000}
     return out
 
 
@@ -54,75 +59,130 @@ def items(generated) -> dict[str, list[dict]]:
     return {split: read_jsonl(generated / f"{split}.jsonl") for split in SPLITS}
 
 
-def test_regenerated_data_matches_the_dvc_pin(generated):
-    pin = pinned_md5(REPO_ROOT / "data.dvc")
-    assert re.fullmatch(r"[0-9a-f]{32}", pin)
-    assert dir_md5(generated) == pin
-    result = verify_data(generated, REPO_ROOT / "data.dvc", seed=0)
-    assert result.ok, result.message
-    assert result.regenerated_md5 == result.data_md5 == pin
+def project_with_pin(root: Path) -> Path:
+    """A DVC project (no git) at `root` holding the repository's data.dvc, data/ absent."""
+    root.mkdir(parents=True, exist_ok=True)
+    init(root)
+    shutil.copy(REPO_ROOT / "data.dvc", root / "data.dvc")
+    return root / "data.dvc"
 
 
-def test_verify_names_both_md5s_and_the_first_differing_file(tmp_path):
-    changed = tmp_path / "data"
-    generate_dataset(changed, seed=0)
-    page = changed / "corpus/reports/ACME/2019/page_3.txt"
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_regenerated_data_is_what_data_dvc_pins_by_dvc_status(generated, tmp_path):
+    assert pinned_md5(REPO_ROOT / "data.dvc") == PIN
+    dvc_file = project_with_pin(tmp_path / "project")
+    shutil.copytree(generated, tmp_path / "project" / "data")
+    # DVC's own status compares the regenerated workspace with the committed pin.
+    assert check_pinned(dvc_file) == PIN
+    # And `dvc add` of the regenerated data writes the committed pin again.
+    (tmp_path / "project" / "data.dvc").unlink()
+    assert add(tmp_path / "project" / "data") == dvc_file.resolve()
+    assert pinned_md5(dvc_file) == PIN
+    assert dvc_file.read_text() == (REPO_ROOT / "data.dvc").read_text()
+
+
+def test_a_changed_file_is_caught_by_dvc_with_the_commands_to_run(generated, tmp_path):
+    dvc_file = project_with_pin(tmp_path / "project")
+    data = tmp_path / "project" / "data"
+    shutil.copytree(generated, data)
+    page = data / "corpus/reports/ACME/2019/page_3.txt"
     page.write_text(page.read_text(encoding="utf-8") + "edited\n", encoding="utf-8")
+    with pytest.raises(DataError) as error:
+        check_pinned(dvc_file)
+    message = str(error.value)
+    assert message.startswith(f"{data}: differs from the version {dvc_file} pins (modified: data/)")
+    assert f"`dvc checkout {dvc_file}`" in message and "`dvc add data`" in message
+    shutil.rmtree(data)
+    with pytest.raises(DataError, match=rf"{re.escape(str(data))}: the data .* pins is missing; run `dvc checkout"):
+        check_pinned(dvc_file)
 
-    result = verify_data(changed, REPO_ROOT / "data.dvc", seed=0)
-    assert not result.ok
-    assert result.data_md5 != result.pinned_md5 == result.regenerated_md5
-    assert result.first_difference == "corpus/reports/ACME/2019/page_3.txt (differs)"
-    for text in (result.pinned_md5, result.data_md5, "corpus/reports/ACME/2019/page_3.txt"):
-        assert text in result.message
-    with pytest.raises(DataError, match="data mismatch"):
-        result.raise_if_mismatch()
+
+def demo_config_in(root: Path):
+    """The demo config with its data paths moved under `root` (a DVC project)."""
+    data = root / "data"
+    return load_config(DEMO_CONFIG, {"data": {
+        "dvc_file": str(root / "data.dvc"), "train_file": str(data / "train.jsonl"),
+        "validation_file": str(data / "validation.jsonl"), "test_file": str(data / "test.jsonl"),
+        "production_traffic_file": str(data / "production_traffic.jsonl")}})
 
 
-def test_verify_reports_a_generator_that_no_longer_reproduces_the_pin(generated):
+def test_demo_regenerates_missing_data_to_the_pin(tmp_path):
+    project_with_pin(tmp_path)
+    logged: list[str] = []
+    assert ensure_data(demo_config_in(tmp_path), seed=0, log=logged.append) == PIN
+    assert len(logged) == 1 and logged[0].startswith(f"regenerating {tmp_path / 'data'} from seed 0")
+    assert (tmp_path / "data" / "test.jsonl").is_file()
+    logged.clear()
+    assert ensure_data(demo_config_in(tmp_path), seed=0, log=logged.append) == PIN
+    assert logged == []  # in place and pinned: nothing regenerated
+
+
+def test_a_generator_that_no_longer_reproduces_the_pin_is_reported(tmp_path):
     # Another seed stands in for a changed generator.
-    result = verify_data(generated, REPO_ROOT / "data.dvc", seed=1)
-    assert not result.ok
-    assert result.regenerated_md5 != result.pinned_md5 == result.data_md5
-    assert result.first_difference == "corpus/reports/ACME/2016/page_1.txt (differs)"
-    assert result.regenerated_md5 in result.message and result.pinned_md5 in result.message
+    project_with_pin(tmp_path)
+    with pytest.raises(DataError, match=r"the regenerated data does not match .*data\.dvc: .*differs from the "
+                       r"version .*no longer reproduces the pinned data"):
+        ensure_data(demo_config_in(tmp_path), seed=1, log=lambda _: None)
 
 
-def test_dir_md5_equals_what_dvc_add_records(tmp_path):
+def test_data_version_round_trip_through_dvc(tmp_path):
     tracked = tmp_path / "d"
     (tracked / "sub" / "deeper").mkdir(parents=True)
     (tracked / "a.txt").write_text("alpha\n", encoding="utf-8")
     (tracked / "sub" / "b.jsonl").write_text('{"x": 1}\r\n', encoding="utf-8", newline="")
     (tracked / "sub" / "deeper" / "café.txt").write_bytes(b"\x00\x01binary")
-    (tracked / "Z.txt").write_text("upper case sorts first\n", encoding="utf-8")
-    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
-    for args in (["init", "--no-scm", "-q"], ["add", "d", "-q"]):
-        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=tmp_path, env=env, check=True)
-    assert pinned_md5(tmp_path / "d.dvc") == dir_md5(tracked)
+    init(tmp_path)
+    dvc_file = add(tracked)
+    md5 = pinned_md5(dvc_file)
+    assert re.fullmatch(r"[0-9a-f]{32}", md5) and check_pinned(dvc_file) == md5
+
+    class Data:  # a config's data section, as data_version reads it
+        dvc_file = str(tmp_path / "d.dvc")
+        train_file, validation_file, test_file = (str(tracked / "a.txt"), str(tracked / "sub" / "b.jsonl"), None)
+
+    assert data_version(Data) == md5
+    Data.dvc_file = None  # not under DVC: the md5 of the dataset files
+    assert data_version(Data) == files_md5([tracked / "a.txt", tracked / "sub" / "b.jsonl"]) != md5
+    (tracked / "a.txt").write_text("beta\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"differs from the version .*d\.dvc pins \(modified: d/\)"):
+        check_pinned(dvc_file)
+    # The command the error names restores the pinned data.
+    subprocess.run([sys.executable, "-m", "dvc", "checkout", "--force", "-q", str(dvc_file)], cwd=tmp_path, check=True,
+                   env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+    assert (tracked / "a.txt").read_text(encoding="utf-8") == "alpha\n" and check_pinned(dvc_file) == md5
 
 
-def test_pinned_md5_rejects_a_broken_dvc_file(tmp_path):
-    bad = tmp_path / "data.dvc"
-    bad.write_text("outs: []\n", encoding="utf-8")
-    with pytest.raises(DataError, match=r"data\.dvc: no 'outs\[0\]\.md5'"):
-        pinned_md5(bad)
-    with pytest.raises(DataError, match="not found"):
-        pinned_md5(tmp_path / "missing.dvc")
+def test_broken_or_missing_dvc_files_are_data_errors(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "data.dvc").write_text("outs: []\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"not inside a DVC repository; run `dvc init`"):
+        pinned_md5(outside / "data.dvc")
+    project = tmp_path / "project"
+    project.mkdir()
+    init(project)
+    (project / "data.dvc").write_text("outs: []\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"data\.dvc: expected one pinned output with an md5; recreate it with `dvc add`"):
+        pinned_md5(project / "data.dvc")
+    (project / "data.dvc").write_text("outs: {md5: 1}\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"data\.dvc: not a valid DVC file"):
+        pinned_md5(project / "data.dvc")
+    with pytest.raises(DataError, match="DVC file not found; pin the data with `dvc add"):
+        pinned_md5(project / "missing.dvc")
 
 
 def test_same_seed_gives_the_same_bytes(generated, tmp_path):
     again = tmp_path / "again"
     generate_dataset(again, seed=0)
-    assert dir_manifest(again) == dir_manifest(generated)
-    for split in SPLITS:
-        assert (again / f"{split}.jsonl").read_bytes() == (
-            generated / f"{split}.jsonl"
-        ).read_bytes()
+    assert files_of(again) == files_of(generated)
     assert b"\r" not in (again / "train.jsonl").read_bytes()
 
 
 def test_drift_changes_the_category_mix_and_lengthens_questions(items, generated, tmp_path):
-    generate_dataset(tmp_path, seed=0, drift=True, n_train=400, n_eval=50, n_traffic=50)
+    generate_dataset(tmp_path, seed=0, drift=True, n_train=400, n_validation=50, n_test=50, n_traffic=50)
     drifted = read_jsonl(tmp_path / "train.jsonl")
 
     def share(rows: list[dict], categories: tuple[str, ...]) -> float:
@@ -164,7 +224,8 @@ def test_item_shape_and_category_mix(items):
             assert row["ticker"] in TICKERS and row["year"] in REPORT_YEARS
             assert row["ticker"] in row["question"] and str(row["year"]) in row["question"]
     assert items["train"][0]["id"] == "train-00000"
-    assert items["eval"][-1]["id"] == "eval-00249"
+    assert items["validation"][-1]["id"] == "validation-00249"
+    assert items["test"][-1]["id"] == "test-00249"
 
 
 def test_every_exe_ans_is_its_program_executed(items):
@@ -250,13 +311,47 @@ def test_tables_add_up(generated):
 
 def test_splits_are_disjoint_by_id_and_question(items):
     ids = [row["id"] for rows in items.values() for row in rows]
-    assert len(ids) == len(set(ids)) == 6250
+    assert len(ids) == len(set(ids)) == 6500
     questions = {
         split: {normalize_question(r["question"]) for r in rows} for split, rows in items.items()
     }
-    assert len(questions["train"]) == 2000 and len(questions["eval"]) == 250
-    assert not questions["train"] & questions["eval"]
-    assert not questions["production_traffic"] & (questions["train"] | questions["eval"])
+    assert [len(questions[s]) for s in SPLITS[:3]] == [2000, 250, 250]
+    assert not questions["train"] & questions["validation"]
+    assert not questions["train"] & questions["test"]
+    assert not questions["validation"] & questions["test"]
+    assert not questions["production_traffic"] & (questions["train"] | questions["validation"] | questions["test"])
+
+
+def facts_read(row: dict, corpus: Path) -> set[tuple[str, int, str]]:
+    """The (ticker, year, line item) facts of the tables on an item's gold pages."""
+    facts = set()
+    for page in row["gold_pages"]:
+        _, ticker, report, _ = page.split("/")
+        for line in (corpus / page).read_text(encoding="utf-8").splitlines():
+            if " | " in line and not line.startswith("(in $ millions)"):
+                facts |= {(ticker, int(report), line.split(" | ")[0]), (ticker, int(report) - 1, line.split(" | ")[0])}
+    return facts
+
+
+def test_splits_are_disjoint_by_underlying_fact(items, generated):
+    owner = assign_fact_units(0)
+    per_ticker = Counter((ticker, split) for (ticker, _), split in owner.items())
+    assert len(owner) == len(TICKERS) * len(TOPICS)
+    for ticker in TICKERS:
+        assert (per_ticker[ticker, "test"], per_ticker[ticker, "validation"], per_ticker[ticker, "train"]) == (1, 1, 8)
+    facts = {split: set() for split in SPLITS[:3]}
+    for split in SPLITS[:3]:
+        for row in items[split]:
+            read = facts_read(row, generated / "corpus")
+            assert read, row["id"]
+            assert {owner[ticker, TOPIC_OF[item]] for ticker, _, item in read} == {split}, row["id"]
+            facts[split] |= read
+        # Every split asks about every company, as production does.
+        assert {row["ticker"] for row in items[split]} == set(TICKERS)
+    assert not facts["train"] & facts["validation"]
+    assert not facts["train"] & facts["test"]
+    assert not facts["validation"] & facts["test"]
+    assert assign_fact_units(1) != owner  # the assignment follows the seed
 
 
 def test_traffic_is_timestamped_in_order_over_90_days(items):
