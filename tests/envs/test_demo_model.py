@@ -1,5 +1,5 @@
-"""The demo bootstrap's parts: calculator expressions from FinQA programs, the scripted
-demonstrator against the real tool server, and the weighted SFT encoding."""
+"""The demo model builder's parts: calculator expressions from FinQA programs, the scripted
+demonstrator against the real tool server, the weighted SFT encoding and the model pin."""
 
 from __future__ import annotations
 
@@ -20,12 +20,15 @@ from envs.finqa.demo_model import (
     encode_conversation,
     plan_of,
     program_expression,
-    read_items,
+    verify_model_pin,
+    write_model_pin,
 )
 from envs.finqa.generate import TICKERS, execute_program
 from envs.finqa.local import local_tool_endpoints
 from envs.finqa.tiny_model import build_model, tiny_config
 from envs.finqa.tokenizer import build_tokenizer
+from trainer.data import read_items
+from trainer.errors import DataError
 from trainer.graders import grade
 
 GRADER = {"type": "numeric", "name": "a", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}
@@ -223,8 +226,30 @@ def test_calculator_results_are_cut_not_rounded(result: str, written: str) -> No
     assert _cut(result) == written
 
 
-def test_cache_key_follows_settings_not_how_numbers_are_written() -> None:
-    md5 = "0" * 32
-    assert BootstrapSettings(max_minutes=90).key(md5) == BootstrapSettings(max_minutes=90.0).key(md5)
-    assert BootstrapSettings(train_tokens=1_000_000).key(md5) != BootstrapSettings().key(md5)
-    assert BootstrapSettings().key(md5) != BootstrapSettings().key("1" * 32)
+def test_model_pin_catches_a_changed_missing_or_extra_file(tmp_path: Path) -> None:
+    model_dir, pin_file = tmp_path / "model", tmp_path / "model.pin.json"
+    build_model(tiny_config(64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
+                            pad_token_id=0, eos_token_id=1), seed=0).save_pretrained(model_dir)
+    pin = write_model_pin(model_dir, pin_file, {"eval/score_mean": 0.5})
+    assert set(pin["files"]) == {"config.json", "generation_config.json", "model.safetensors"}
+    assert re.fullmatch(r"[0-9a-f]{32}", pin["md5"]) and pin["evaluation"] == {"eval/score_mean": 0.5}
+    assert verify_model_pin(model_dir, pin_file) == json.loads(pin_file.read_text()) == pin
+
+    weights = model_dir / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    with pytest.raises(DataError, match=rf"{re.escape(str(weights))}: md5 [0-9a-f]{{32}} differs from its pin "
+                       rf"{pin['files']['model.safetensors']}.*`git checkout -- {re.escape(str(model_dir))}`.*"
+                       "`agentrft model bootstrap`"):
+        verify_model_pin(model_dir, pin_file)
+    weights.unlink()
+    with pytest.raises(DataError, match=r"model\.safetensors: md5 missing differs from its pin"):
+        verify_model_pin(model_dir, pin_file)
+    weights.write_bytes(original)
+    (model_dir / "notes.txt").write_text("x")
+    with pytest.raises(DataError, match=r"files \['notes\.txt'\] are not in its pin"):
+        verify_model_pin(model_dir, pin_file)
+    with pytest.raises(DataError, match="no model directory; restore it with `git checkout"):
+        verify_model_pin(tmp_path / "nowhere", pin_file)
+    with pytest.raises(DataError, match="cannot read the model pin"):
+        verify_model_pin(model_dir, tmp_path / "missing.pin.json")
