@@ -94,12 +94,19 @@ def create_version(tracking_uri: str, name: str, model_uri: str, run_id: str, ta
     client, txn = _client(tracking_uri), get_transaction()
     try:
         client.get_registered_model(name)
-        txn.set("created_model", False)
+        created = False
     except MlflowException:
         client.create_registered_model(name, description="Agent RFT models (trained by agentrft).")
-        txn.set("created_model", True)
+        created = True
+    txn.set("created_model", created)
     tags = {**tags, "registration": "pending"}  # until `complete`: see the module docstring
-    version = str(client.create_model_version(name, model_uri, run_id=run_id, tags=tags).version)
+    try:
+        version = str(client.create_model_version(name, model_uri, run_id=run_id, tags=tags).version)
+    except BaseException:
+        # A step that fails is never staged, so its rollback hook does not run: undo here.
+        if created:
+            client.delete_registered_model(name)
+        raise
     txn.set("version", version)
     return version
 
@@ -133,25 +140,38 @@ def _restore_alias(txn: Any) -> None:
         client.set_registered_model_alias(name, alias, before)
 
 
+def _put_tags(client: Any, name: str, version: str, values: dict[str, str | None]) -> None:
+    """Set each tag to its value; None deletes it."""
+    for key, value in values.items():
+        if value is None:
+            client.delete_model_version_tag(name, version, key)
+        else:
+            client.set_model_version_tag(name, version, key, value)
+
+
 @task(name="registry: tag version", cache_policy=NO_CACHE)
 def tag_version(tracking_uri: str, name: str, version: str, tags: dict[str, str]) -> None:
     """Set tags on a version; the values they replace come back on rollback."""
     client, txn = _client(tracking_uri), get_transaction()
     current = client.get_model_version(name, version).tags
+    previous = {key: current.get(key) for key in tags}
     txn.set("version", version)
-    txn.set("previous_tags", {key: current.get(key) for key in tags})
-    for key, value in tags.items():
-        client.set_model_version_tag(name, version, key, value)
+    txn.set("previous_tags", previous)
+    done: list[str] = []
+    try:
+        for key, value in tags.items():
+            client.set_model_version_tag(name, version, key, value)
+            done.append(key)
+    except BaseException:
+        # A step that fails is never staged, so its rollback hook does not run: put back
+        # the tags it had already set before failing.
+        _put_tags(client, name, version, {key: previous[key] for key in done})
+        raise
 
 
 @tag_version.on_rollback
 def _restore_tags(txn: Any) -> None:
-    client, name, version = _client(txn.get("tracking_uri")), txn.get("name"), txn.get("version")
-    for key, value in txn.get("previous_tags").items():
-        if value is None:
-            client.delete_model_version_tag(name, version, key)
-        else:
-            client.set_model_version_tag(name, version, key, value)
+    _put_tags(_client(txn.get("tracking_uri")), txn.get("name"), txn.get("version"), txn.get("previous_tags"))
 
 
 @contextmanager
