@@ -98,6 +98,30 @@ from trainer.update import PolicyUpdate
 KEPT_GROUPS = 4  # groups per step whose best and worst rollouts are written out whole
 
 
+def refuse_sharded_launch(accelerate_config: str | None) -> None:
+    """FSDP and DeepSpeed are refused before Accelerate starts them: every process samples
+    its rollouts with the whole model, and the trainer accumulates and clips each update
+    itself, which DeepSpeed's engine would override (its gradient accumulation never sees
+    the trainer's, and `max_grad_norm` would be ignored)."""
+    if not accelerate_config:
+        return
+    import yaml
+
+    path = Path(accelerate_config)
+    try:
+        settings = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"training.accelerate_config: cannot read {path} ({exc})") from None
+    kind = str(settings.get("distributed_type", "")).upper()
+    if kind in ("DEEPSPEED", "FSDP") or settings.get("deepspeed_config") or settings.get("fsdp_config"):
+        raise sharded_error(f"training.accelerate_config {path}: {kind or 'DeepSpeed/FSDP'}")
+
+
+def sharded_error(what: str) -> ConfigError:
+    return ConfigError(f"{what} is not supported; use DDP (`accelerate config` -> multi-GPU, distributed_type: "
+                       "MULTI_GPU) with training.lora for models that do not fit otherwise")
+
+
 class DataOrder:
     """Which items each step trains on: every epoch a seeded permutation, cut in batches."""
 
@@ -195,6 +219,7 @@ class GRPOTrainer:
         from accelerate.utils import DistributedType, set_seed
 
         training, data = self.config.training, self.config.data
+        refuse_sharded_launch(training.accelerate_config)
         mixed = training.mixed_precision
         if mixed == "auto":
             mixed = "bf16" if torch.cuda.is_available() else "no"
@@ -208,13 +233,8 @@ class GRPOTrainer:
                 "so they would overwrite each other's outputs; on a machine without a GPU set "
                 "ACCELERATE_USE_CPU=true, or start `agentrft train` and let it launch them"
             )
-        if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-            raise ConfigError(
-                f"training.accelerate_config: {acc.distributed_type.value} is not supported: every process "
-                "samples its rollouts with the whole model, and the trainer accumulates and clips each update "
-                "itself, which DeepSpeed's engine would override; use DDP (`accelerate config` -> multi-GPU) "
-                "with training.lora for models that do not fit otherwise"
-            )
+        if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):  # set by the environment
+            raise sharded_error(f"{acc.distributed_type.value} (from the ACCELERATE_* environment)")
         if not self.endpoints:
             raise ConfigError("tools.endpoints is empty: declare the endpoint of every tool the model may call")
         for name in ("n_epochs", "batch_size", "eval_interval"):

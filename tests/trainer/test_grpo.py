@@ -411,3 +411,17 @@ def test_one_pass_takes_the_trainer_as_old_policy_and_reports_the_sampler_mismat
     assert row["train/sampler_diff_max"] < 1e-3 and row["train/tis_capped_share"] == 0.0
     assert row["train/resample_rounds"] <= 1 and row["train/zero_variance_group_share"] == 0.0
     assert result.steps == 1
+
+
+@pytest.mark.parametrize("settings", [
+    {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2}},
+    {"distributed_type": "FSDP", "fsdp_config": {}},
+])
+def test_deepspeed_and_fsdp_are_refused_with_the_alternative(world, endpoints, taught_model, tmp_path, settings):
+    accelerate_config = tmp_path / "accelerate.yaml"
+    accelerate_config.write_text(yaml.safe_dump(settings))
+    config = micro_config(world, endpoints, accelerate_config=str(accelerate_config))
+    trainer = GRPOTrainer(config, model_path=str(taught_model), output_dir=tmp_path / "out")
+    with pytest.raises(ConfigError, match=f"{settings['distributed_type']} is not supported; use DDP .*training.lora"):
+        trainer.setup()
+    trainer.cleanup()
