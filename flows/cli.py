@@ -45,7 +45,9 @@ RefreshOption = Annotated[list[str] | None, typer.Option("--refresh", metavar="S
 
 def _config(path: Path, assignments: list[str] | None) -> Any:
     from trainer.config import load_config, missing_env_vars, parse_overrides
+    from trainer.quiet import silence_known_noise
 
+    silence_known_noise()
     config = load_config(path, parse_overrides(assignments))
     missing = missing_env_vars(config)
     if missing:
