@@ -2,8 +2,9 @@
 not rollouts, training or evaluation, as a share of the run's wall time.
 
 The pipeline (flows/pipeline.py) runs once on the micro preset of the pipeline tests
-(tests/pipeline_world.py: two training and two evaluation items, k = 2, two GRPO steps
-in an `accelerate launch`ed subprocess) with the taught model, Prefect in its ephemeral
+(tests/pipeline_world.py: two training, two validation and six test items under a DVC pin,
+k = 2, six GRPO steps, the default promotion gates) with the taught model of
+benchmarks/taught_world.py (which knows all of these items), Prefect in its ephemeral
 mode under a fresh PREFECT_HOME (as `make demo` runs it) and MLflow on a SQLite file.
 Compute is the time inside `run_evaluation` (every baseline, prompt-variant and
 regression rollout goes through it) plus the training steps as the trainer timed them
@@ -25,22 +26,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.taught_world import REPO, taught_world
+from benchmarks.taught_world import REPO, TaughtWorld, taught_world
 from envs.finqa.local import local_tool_endpoints
-from tests.pipeline_world import micro, pin
+from tasks.data_version import add, init
+from tests.pipeline_world import micro
 from tests.taught_model import OUTPUT_CHARS, copy_items
-from trainer.data import read_items
-from trainer.metrics import read_jsonl
+from trainer.data import read_jsonl
+
+SPLITS = {"train": 2, "validation": 2, "test": 6}  # the pipeline tests' layout
 
 
-def pipeline_world(root: Path) -> Path:
-    """The micro preset's data layout: two training and two evaluation items and a DVC pin."""
+def pipeline_world(root: Path, world: TaughtWorld) -> Path:
+    """The micro preset's data layout, from the taught world's splits, pinned by DVC."""
     data = root / "data"
     data.mkdir(parents=True)
-    items = read_items(REPO / "data" / "train.jsonl", 4)
-    copy_items(REPO / "data", items[:2], data, "train.jsonl")
-    copy_items(REPO / "data", items[2:], data, "validation.jsonl")
-    pin(data, root / "data.dvc")
+    for split, count in SPLITS.items():
+        copy_items(REPO / "data", world.items(split)[:count], data, f"{split}.jsonl")
+    init(root)
+    add(data)
     return root
 
 
@@ -59,11 +62,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    world = taught_world()  # the model is taught the first four training items: the micro preset's
+    world = taught_world()  # the model knows every item of the micro preset
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp_dir:
         tmp = Path(tmp_dir)
         os.environ["PREFECT_HOME"] = str(tmp / "prefect-home")  # before Prefect is imported
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        # Prefect's 20 s default is too short for its ephemeral server on two busy cores; the
+        # wait counts as bookkeeping either way.
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
         import tasks.rollout_eval
         from flows.pipeline import agent_rft_pipeline, pipeline_parameters
 
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rollout_s.append(time.perf_counter() - started)
 
         tasks.rollout_eval.run_evaluation = timed_evaluation
-        root = pipeline_world(tmp / "world")
+        root = pipeline_world(tmp / "world", world)
         with local_tool_endpoints(root / "data" / "corpus", max_output_chars=OUTPUT_CHARS) as endpoints:
             config = micro(root, endpoints, world.model)
             started = time.perf_counter()

@@ -1,55 +1,106 @@
-"""RFT steps per second against TRL's GRPOTrainer, side by side in one run, and the
-evaluation score both reach after the same number of steps.
+"""Our GRPO trainer against TRL's GRPOTrainer, side by side in one run: training steps per
+second, and the score both reach on held-out items after the same number of steps.
 
-Same world for both (benchmarks/taught_world.py): the same taught model, items, tools
-(`list` and `cat` over HTTP on the same loopback FinQA server, 256-character outputs),
-grader, group size, items per step, learning rate, clipping, token-level loss (TRL's
-`loss_type="dapo"`), no KL term, one optimisation pass, 8 rollouts per backward, three
-assistant turns at most (TRL: `max_tool_calling_iterations=2`), temperature 1, and the
-same number of torch threads. TRL calls the tools through its documented `tools=`
-argument: plain Python functions that post our wire format to the tool server. TRL
-batches the generation of a turn but runs each rollout's tool calls one after another
-and re-encodes the whole conversation every turn; our engine keeps each sequence's KV
-cache and overlaps the tool calls with decoding.
+Same world for both (benchmarks/taught_world.py): the same taught model, the same four
+training items, the same tools (`list` and `cat` over HTTP on one loopback FinQA server,
+256-character outputs), the same grader, and for every seed the same training seed on
+both sides. Hyperparameters both trainers have are set equal: group of 4, 2 items per
+step, learning rate 1e-4 (constant, no warmup), AdamW (betas 0.9/0.999, eps 1e-8, no
+weight decay), gradient clipping at 1.0, one optimisation pass, clip epsilon 0.2 both
+ways, no KL term, token-level loss (`loss_type="dapo"`, our default), advantages scaled
+by the group's std (`scale_rewards="group"`, both defaults), rollouts with a cut turn left
+out of the loss (ours: `mask_truncated`, the default; TRL: `mask_truncated_completions`),
+temperature 1, top_p 1, no top-k on either side (our engine has none; TRL: `top_k=0`),
+float32, and the same number of torch threads.
 
-Steps per second count only the training steps (rollouts, grading, update), not the
-evaluations, model loading or TRL's setup. The evaluation is the same code for both
-final models (and the starting one): `--eval-k` samples per item through our engine at
-temperature 1 with one fixed seed, tools at 0 ms.
+Token limits, matched as closely as TRL allows:
+- per turn: ours `max_new_tokens_per_turn=48`; TRL has no per-turn option, so its
+  `generation_kwargs={"max_new_tokens": 48}` caps every `generate` call, i.e. every turn;
+- per rollout: ours `max_total_tokens=768` counts the prompt, the tool outputs and what
+  the model writes; TRL's `max_completion_length` counts the tool outputs and what the
+  model writes, not the prompt, so it is set to 768 minus the longest training prompt
+  (TRL never gets more room than ours; on shorter prompts ours gets a few tokens more);
+- turns: ours `max_turns=3` assistant turns; TRL's `max_tool_calling_iterations=2` tool
+  rounds after the first turn, i.e. 3 `generate` calls at most. The per-rollout limit
+  rarely binds here (prompts of at most 159 tokens, three turns of at most 48, two tool
+  outputs of at most ~290 characters).
+What differs, and cannot be matched: a malformed tool call ends our rollout (our default
+`on_malformed_call: end`), while TRL answers an unknown tool's name with an error and
+goes on, and takes a call it cannot parse as plain text; TRL re-encodes the conversation
+every turn and waits for each turn's tools before the next batched `generate`, while our
+engine keeps each sequence's KV cache and overlaps tool calls with decoding.
 
-    python -m benchmarks.bench_trl [--steps 4] [--latencies 0 100] [--json out.json]
+TRL calls the tools through its documented `tools=` argument: async Python functions that
+call the same server through our tool client, so the model reads exactly the outputs our
+rollouts give it (a function posting to the server itself would miss the client's
+truncation marker, which the model was taught with, and TRL's score would pay for it:
+measured on the starting model and the training items, TRL's rollouts scored 0.31 (64
+samples) with the server's own outputs and 0.62 (128 samples) with the client's, ours
+0.57 to 0.63). TRL runs a rollout's calls concurrently and the rollouts of a turn one
+after another. TRL renders tool schemas from the functions' docstrings, which adds
+parameter descriptions the model never saw; a shim on the tokenizer's
+`apply_chat_template` renders exactly our schemas instead (checked: both sides render the
+same prompt text), so both trainers start from the same prompts.
+
+Our trainer's settings are a user's: the documented defaults (loss `dapo`, rollouts ended
+at a malformed call, truncated rollouts masked, group-scaled advantages, TIS cap 2, no
+dynamic sampling), the learning rate and batch shape shared with TRL above, and an
+in-training evaluation of the 4 validation items (its time is not counted as training).
+Nothing is chosen on the test items. The shared learning rate is the one at which TRL
+scored best on the validation items (`--eval-split validation --seeds 4 --eval-k 16
+--latency-seeds 0 --learning-rate X`; starting model 0.688): TRL 0.754, 0.833, 0.781,
+0.199 at 3e-5, 1e-4, 3e-4, 1e-3 (ours 0.777, 0.845, 0.875, 0.265). At 1e-3, the rate of
+the other benchmarks, both trainers overfit the four training items within 5 steps.
+
+Steps per second count only the training steps (rollouts, grading, update), not
+evaluations, model loading or setup; each side runs one untimed warm-up run (one step)
+first. The seeds alternate which side runs first. Scores: the same code for every final
+model and the starting one: `--eval-k` samples of each of the 8 test items (taught to the
+model, never trained on by either side) through our engine at temperature 1 with one
+fixed seed, tools at 0 ms. `--latency-seeds` more seed pairs run with 100 ms of tool
+latency, for steps per second only.
+
+    python -m benchmarks.bench_trl [--seeds 8] [--steps 5] [--eval-k 32] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
+import yaml
 
 from benchmarks.taught_world import TaughtWorld, taught_world, training_config
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS
+from trainer.data import read_jsonl
 from trainer.evaluate import run_evaluation
-from trainer.graders.dispatch import grade, sample_from_text
+from trainer.graders import grade, sample_from_text
 from trainer.grpo import train
-from trainer.metrics import read_jsonl
 from trainer.policy import load_policy
 from trainer.rollout import RolloutSettings
-from trainer.tools import ToolEndpoint
+from trainer.tools import ToolClient, ToolEndpoint
+
+EVAL_SEED = 1234
+LEARNING_RATE = 1e-4  # both sides; chosen on the validation items as TRL's best (see the module docstring)
+OURS: dict[str, Any] = {}  # our trainer's options beyond the documented defaults
 
 
-def ours(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: int, out: Path) -> dict[str, Any]:
+def ours(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: int, out: Path,
+         shared: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
     """Our GRPO trainer for `steps` steps; seconds of the steps without the evaluations."""
-    config = training_config(world, endpoints, max_steps=steps, eval_interval=steps, n_epochs=steps, seed=seed)
+    config = training_config(world, endpoints, max_steps=steps, eval_interval=steps, n_epochs=steps, seed=seed,
+                             **shared, **own)
     result = train(config, model_path=str(world.model), output_dir=out)
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
     step_s = [r["timing/step_s"] - r["timing/eval_s"] for r in rows]
@@ -59,45 +110,74 @@ def ours(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: in
             "model": str(result.model_dir)}
 
 
-def trl_tools(endpoints: list[ToolEndpoint]) -> tuple[list, httpx.Client]:
-    """`list` and `cat` as the plain functions TRL's `tools=` takes (name, docstring and
-    type hints become the schema, which renders exactly as TOOLS does), posting our wire
-    format to the same server; a 4xx answer goes back to the model as the output."""
-    urls = {e.name: e.server_url for e in endpoints}
-    client = httpx.Client(timeout=30)
-    counter = iter(range(1 << 62))
+def trl_tools(config: Any, endpoints: list[ToolEndpoint]) -> tuple[list, Any]:
+    """`list` and `cat` as the async functions TRL's `tools=` takes, calling the same server
+    through the same tool client as our rollouts (so the model reads the same outputs: the
+    client's truncation marker, 4xx errors as outputs); the client is made in TRL's tool
+    event loop at the first call. Returns the tools and a function that closes the client
+    in that loop."""
+    client: ToolClient | None = None
 
-    def post(name: str, path: str) -> str:
-        n = next(counter)
-        body = {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}", "name": name,
-                "arguments": json.dumps({"path": path}), "item": {}, "trace_id": "trace_trl"}
-        response = client.post(urls[name], json=body)
-        if response.status_code >= 500:
-            response.raise_for_status()  # TRL turns the exception into an error output
-        return response.json()["output"] if response.status_code == 200 else response.text
+    async def call(name: str, path: str) -> str:
+        nonlocal client
+        if client is None:
+            client = ToolClient.from_config(config.tools, endpoints)
+            await client.__aenter__()
+        result = await client.call(name, json.dumps({"path": path}), item={}, trace_id="trace_trl")
+        return result.output
 
-    def list_tool(path: str) -> str:
+    async def list_tool(path: str) -> str:
         """List a directory.
 
         Args:
             path: the directory
         """
-        return post("list", path)
+        return await call("list", path)
 
-    def cat(path: str) -> str:
+    async def cat(path: str) -> str:
         """Read a page.
 
         Args:
             path: the page
         """
-        return post("cat", path)
+        return await call("cat", path)
+
+    def close(loop: asyncio.AbstractEventLoop) -> None:
+        if client is not None:
+            asyncio.run_coroutine_threadsafe(client.aclose(), loop).result()
 
     list_tool.__name__ = "list"  # the tool's name as the model was taught it
-    return [list_tool, cat], client
+    return [list_tool, cat], close
+
+
+def render_our_schemas(tokenizer: Any) -> Any:
+    """The tokenizer, rendering tool functions as our TOOLS schemas (by name) instead of
+    the schemas transformers derives from their docstrings."""
+    schemas = {tool["function"]["name"]: tool for tool in TOOLS}
+    original = tokenizer.apply_chat_template
+
+    def apply_chat_template(conversation: Any, *args: Any, tools: list | None = None, **kwargs: Any) -> Any:
+        if tools:
+            tools = [schemas[tool.__name__] if callable(tool) else tool for tool in tools]
+        return original(conversation, *args, tools=tools, **kwargs)
+
+    tokenizer.apply_chat_template = apply_chat_template
+    return tokenizer
+
+
+def longest_prompt(world: TaughtWorld) -> int:
+    """Tokens of the longest training prompt as both sides render it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(world.model)
+    return max(len(tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, *item["messages"]],
+                                                 tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"])
+               for item in world.items("train"))
 
 
 def trl(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: int, out: Path,
-        threads: int) -> dict[str, Any]:
+        threads: int, shared: dict[str, Any]) -> dict[str, Any]:
     """TRL's GRPOTrainer for `steps` steps at our settings; seconds of its training steps."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
@@ -105,9 +185,9 @@ def trl(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: int
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_template
 
-    config = training_config(world, endpoints, seed=seed)
-    hp, rollout = config.training, config.rollout
-    items = {item["id"]: item for item in world.items()}
+    config = training_config(world, endpoints, seed=seed, **shared)
+    training, rollout = config.training, config.rollout
+    items = {item["id"]: item for item in world.items("train")}
     rewards: list[float] = []
     calls: list[int] = []
 
@@ -132,25 +212,28 @@ def trl(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: int
         def on_step_end(self, args, state, control, **kwargs):
             self.step_s.append(time.perf_counter() - self.started)
 
-    tokenizer = AutoTokenizer.from_pretrained(world.model)
+    tokenizer = render_our_schemas(AutoTokenizer.from_pretrained(world.model))
     # Our chat format is Qwen's (Hermes) tool format: TRL's Qwen3 response parser reads it.
     tokenizer.response_template = qwen3_template
     model = AutoModelForCausalLM.from_pretrained(world.model, dtype=torch.float32)
-    group = round(8 * hp.compute_multiplier)
+    group = round(8 * training.compute_multiplier)
     args = GRPOConfig(
-        output_dir=str(out), use_cpu=not torch.cuda.is_available(), bf16=False, seed=hp.seed,
-        per_device_train_batch_size=hp.batch_size * group, num_generations=group, steps_per_generation=1,
-        gradient_accumulation_steps=1, num_iterations=hp.ppo_epochs, max_steps=steps,
-        learning_rate=hp.learning_rate, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-        weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm, beta=hp.kl_coef, epsilon=hp.clip_eps,
-        loss_type="dapo", scale_rewards="group" if hp.scale_rewards else "none",
+        output_dir=str(out), use_cpu=not torch.cuda.is_available(), bf16=False, seed=training.seed,
+        per_device_train_batch_size=training.batch_size * group, num_generations=group, steps_per_generation=1,
+        gradient_accumulation_steps=1, num_iterations=training.ppo_epochs, max_steps=steps,
+        learning_rate=training.learning_rate, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        weight_decay=training.weight_decay, max_grad_norm=training.max_grad_norm, beta=training.kl_coef,
+        epsilon=training.epsilon, epsilon_high=training.epsilon_high, loss_type=training.loss_type,
+        scale_rewards=training.scale_rewards, mask_truncated_completions=training.mask_truncated,
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=0,
-        max_completion_length=rollout.max_total_tokens - 128, max_tool_calling_iterations=rollout.max_turns - 1,
+        generation_kwargs={"max_new_tokens": rollout.max_new_tokens_per_turn},
+        max_completion_length=rollout.max_total_tokens - longest_prompt(world),
+        max_tool_calling_iterations=rollout.max_turns - 1,
         logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
     )
     dataset = Dataset.from_list([{"prompt": [{"role": "system", "content": SYSTEM}, *item["messages"]],
                                   "item_id": item["id"]} for item in items.values()])
-    tools, client = trl_tools(endpoints)
+    tools, close = trl_tools(config, endpoints)
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, tools=tools, callbacks=[timer])
@@ -158,80 +241,130 @@ def trl(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: int
     try:
         trainer.train()
     finally:
-        client.close()
+        close(trainer.async_loop)
     final = out / "final"
     trainer.save_model(str(final))
-    tokenizer.save_pretrained(final)
+    for name in os.listdir(world.model):  # the world's own tokenizer files, untouched by TRL
+        if "token" in name or name.endswith(".jinja"):
+            shutil.copy(world.model / name, final / name)
     return {"steps": len(timer.step_s), "seconds": sum(timer.step_s), "step_s": timer.step_s,
             "reward_mean": statistics.mean(rewards), "tool_calls_mean": statistics.mean(calls),
             "model": str(final)}
 
 
-def eval_score(model_dir: str, world: TaughtWorld, endpoints: list[ToolEndpoint], k: int) -> float:
-    """Mean score of `k` samples per item, through our engine with one fixed seed."""
+def eval_score(model_dir: str, world: TaughtWorld, endpoints: list[ToolEndpoint], k: int,
+               split: str = "test") -> dict[str, float]:
+    """Mean score of `k` samples per item of `split`, through our engine with one fixed seed."""
     config = training_config(world, endpoints)
     policy = load_policy(model_dir, device="cpu", dtype="float32")
     settings = RolloutSettings.from_config(config.rollout, config.penalties)
-    backend = policy.backend(max_slots=64, max_len=config.rollout.max_total_tokens, seed=1234)
-    summary, _ = run_evaluation(backend, policy.tokenizer, world.items(), k=k, endpoints=endpoints, grader=GRADER,
-                                settings=settings, tools=TOOLS, tool_options={"max_output_chars": OUTPUT_CHARS})
-    return summary.metrics["eval/score_mean"]
+    backend = policy.backend(max_slots=64, max_len=config.rollout.max_total_tokens, seed=EVAL_SEED)
+    summary, _ = run_evaluation(backend, policy.tokenizer, world.items(split), k=k,
+                                tool_client=ToolClient.from_config(config.tools, endpoints, seed=EVAL_SEED),
+                                grader=GRADER, settings=settings, tools=TOOLS, log=lambda _: None)
+    m = summary.metrics
+    return {"score": m["eval/score_mean"], "tool_calls": m["eval/tool_calls_mean"],
+            "malformed_calls": m["eval/malformed_calls"]}
+
+
+def pair(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: int, out: Path, args: Any,
+         trl_first: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both trainers on one seed, in the given order."""
+    runs: dict[str, dict[str, Any]] = {}
+    shared = {"learning_rate": args.learning_rate}
+    for side in ("trl", "ours") if trl_first else ("ours", "trl"):
+        if side == "ours":
+            runs[side] = ours(world, endpoints, steps, seed, out / "ours", shared, args.ours)
+        else:
+            runs[side] = trl(world, endpoints, steps, seed, out / "trl", args.threads, shared)
+    return runs["ours"], runs["trl"]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=4, help="training steps of each run")
-    parser.add_argument("--latencies", type=float, nargs="+", default=[0.0, 100.0],
-                        help="tool latencies (ms) injected by the server, one pair of runs each")
-    parser.add_argument("--seeds", type=int, default=3,
-                        help="training seeds at the first latency (one at the others): a few RL steps of a tiny "
-                        "model move its score by chance as much as by method, so the scores are compared on average")
-    parser.add_argument("--eval-k", type=int, default=16, help="evaluation samples per item")
+    parser.add_argument("--steps", type=int, default=5, help="training steps of each run")
+    parser.add_argument("--seeds", type=int, default=8,
+                        help="seed pairs with 0 ms tools, each trained on both sides and evaluated: a few RL steps of "
+                        "a tiny model move its score by chance as much as by method, so scores are compared per seed "
+                        "and on average")
+    parser.add_argument("--latency-seeds", type=int, default=3,
+                        help="seed pairs with 100 ms of tool latency (steps per second only)")
+    parser.add_argument("--eval-k", type=int, default=32, help="evaluation samples per test item")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of both (1: steadier on a shared machine, and faster for this model)")
+    parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE, help="both sides' learning rate")
+    parser.add_argument("--ours", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="our trainer's `training` options beyond the defaults (chosen on --eval-split validation)")
+    parser.add_argument("--eval-split", choices=["test", "validation"], default="test",
+                        help="items of the final evaluation: test for the figures, validation for choosing settings")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    args.ours = {**OURS, **{k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in args.ours)}}
     torch.set_num_threads(args.threads)
 
     world = taught_world()
-    results: dict[str, Any] = {"steps": args.steps, "threads": args.threads, "runs": {}}
+    results: dict[str, Any] = {"steps": args.steps, "threads": args.threads, "eval_k": args.eval_k,
+                               "eval_split": args.eval_split, "learning_rate": args.learning_rate,
+                               "ours_options": args.ours,
+                               "eval_items": len(world.items(args.eval_split)), "train_items": len(world.items("train")),
+                               "max_completion_length_trl": 768 - longest_prompt(world), "runs": {}}
+    plan = [(0.0, [3 + n for n in range(args.seeds)])]
+    if args.latency_seeds:
+        plan.append((100.0, [3 + n for n in range(args.latency_seeds)]))
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as tmp:
-        for index, latency in enumerate(args.latencies):
+        for latency, seeds in plan:
             faults = FaultConfig(latency_ms=latency) if latency else None
-            seeds = [3 + n for n in range(args.seeds if index == 0 else 1)]
             run: dict[str, Any] = {"seeds": seeds, "ours": [], "trl": []}
             with local_tool_endpoints(world.corpus, max_output_chars=OUTPUT_CHARS, faults=faults) as endpoints:
-                for seed in seeds:
-                    print(f"tool latency {latency:g} ms, seed {seed}: ours, then TRL, {args.steps} steps each",
-                          flush=True)
-                    out = Path(tmp) / f"{latency:g}_{seed}"
-                    run["ours"].append(ours(world, endpoints, args.steps, seed, out / "ours"))
-                    run["trl"].append(trl(world, endpoints, args.steps, seed, out / "trl", args.threads))
+                if not results["runs"]:
+                    print("warm-up: one step of each side, untimed", flush=True)
+                    pair(world, endpoints, 1, 0, Path(tmp) / "warmup", args, trl_first=False)
+                for n, seed in enumerate(seeds):
+                    print(f"tool latency {latency:g} ms, seed {seed}: both sides, {args.steps} steps each", flush=True)
+                    mine, theirs = pair(world, endpoints, args.steps, seed, Path(tmp) / f"{latency:g}_{seed}", args,
+                                        trl_first=n % 2 == 1)
+                    run["ours"].append(mine)
+                    run["trl"].append(theirs)
             for side in ("ours", "trl"):
-                run[f"{side}_steps_per_s"] = sum(r["steps"] for r in run[side]) / sum(r["seconds"] for r in run[side])
-            run["speedup"] = run["ours_steps_per_s"] / run["trl_steps_per_s"]
+                run[f"{side}_steps_per_s"] = [r["steps"] / r["seconds"] for r in run[side]]
+            run["speedups"] = [a / b for a, b in zip(run["ours_steps_per_s"], run["trl_steps_per_s"], strict=True)]
             results["runs"][f"{latency:g}ms"] = run
-        # The same evaluation of the models after the same number of steps.
+        # The same evaluation of every model after the same number of steps (0 ms runs).
         with local_tool_endpoints(world.corpus, max_output_chars=OUTPUT_CHARS) as endpoints:
-            results["eval_k"] = args.eval_k
-            results["eval_start"] = eval_score(str(world.model), world, endpoints, args.eval_k)
-            for run in results["runs"].values():
+            results["eval_start"] = eval_score(str(world.model), world, endpoints, args.eval_k, args.eval_split)
+            run = results["runs"]["0ms"]
+            for side in ("ours", "trl"):
+                for r in run[side]:
+                    r["eval"] = eval_score(r.pop("model"), world, endpoints, args.eval_k, args.eval_split)
+            for other in list(results["runs"].values())[1:]:
                 for side in ("ours", "trl"):
-                    for r in run[side]:
-                        r["eval_score"] = eval_score(r.pop("model"), world, endpoints, args.eval_k)
-                    run[f"{side}_eval_mean"] = statistics.mean(r["eval_score"] for r in run[side])
+                    for r in other[side]:
+                        r.pop("model")
+    run = results["runs"]["0ms"]
+    ours_scores = [r["eval"]["score"] for r in run["ours"]]
+    trl_scores = [r["eval"]["score"] for r in run["trl"]]
+    results["eval"] = {
+        "seeds": run["seeds"], "ours": ours_scores, "trl": trl_scores,
+        "ours_mean": statistics.mean(ours_scores), "trl_mean": statistics.mean(trl_scores),
+        "seeds_ours_not_lower": sum(a >= b for a, b in zip(ours_scores, trl_scores, strict=True)),
+    }
 
     print(f"\n{'latency':>8} {'seed':>4} {'trainer':>7} {'steps':>5} {'seconds':>8} {'steps/s':>8} {'reward':>7} "
           f"{'calls':>6} {'eval':>6}")
-    for name, run in results["runs"].items():
-        for seed, pair in zip(run["seeds"], zip(run["ours"], run["trl"], strict=True), strict=True):
-            for side, r in zip(("ours", "trl"), pair, strict=True):
-                print(f"{name:>8} {seed:>4} {side:>7} {r['steps']:>5} {r['seconds']:>8.2f} "
-                      f"{r['steps'] / r['seconds']:>8.3f} {r['reward_mean']:>7.3f} {r['tool_calls_mean']:>6.2f} "
-                      f"{r['eval_score']:>6.3f}")
-        print(f"{name:>8} ours / TRL steps per second: {run['speedup']:.2f}x; mean eval score ours "
-              f"{run['ours_eval_mean']:.3f}, TRL {run['trl_eval_mean']:.3f}")
-    print(f"eval score of the starting model: {results['eval_start']:.3f} ({args.eval_k} samples per item)")
+    for name, r in results["runs"].items():
+        for index, seed in enumerate(r["seeds"]):
+            for side in ("ours", "trl"):
+                x = r[side][index]
+                score = f"{x['eval']['score']:>6.3f}" if "eval" in x else f"{'-':>6}"
+                print(f"{name:>8} {seed:>4} {side:>7} {x['steps']:>5} {x['seconds']:>8.2f} "
+                      f"{x['steps'] / x['seconds']:>8.3f} {x['reward_mean']:>7.3f} {x['tool_calls_mean']:>6.2f} {score}")
+        s = r["speedups"]
+        print(f"{name:>8} ours / TRL steps per second: median {statistics.median(s):.2f}x "
+              f"(min {min(s):.2f}, max {max(s):.2f}, {len(s)} seeds)")
+    e = results["eval"]
+    print(f"eval score after {args.steps} steps ({args.eval_k} samples x {results['eval_items']} {args.eval_split} items): ours "
+          f"{e['ours_mean']:.3f}, TRL {e['trl_mean']:.3f}; ours not lower on {e['seeds_ours_not_lower']} of "
+          f"{len(e['seeds'])} seeds; starting model {results['eval_start']['score']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return results

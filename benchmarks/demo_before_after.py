@@ -1,59 +1,84 @@
 """Before/after table of the demo's training, in the terms of OpenAI's Agent RFT talk.
 
-The base model and a trained one run on the same held-out items with the same seeds and
-k samples each, under the same settings; printed side by side: mean score (with the
-paired bootstrap 95% interval of the gain), best-of-k, tool calls per rollout, generated
-tokens per rollout, latency p50, and the relative change of each.
+The base model and a trained one run on the same test items (the split only the
+regression evaluation reads) with the same seed and k samples each, under the demo
+config's rollout settings, penalties, grader and tools (the FinQA tool server is started on
+the port its endpoints name); printed side by side: mean score (with the paired bootstrap
+95% interval of the gain, as the regression stage computes it), best-of-k, tool calls per
+rollout, generated tokens per rollout, latency p50, and the relative change of each.
 
-    .venv/bin/python benchmarks/demo_before_after.py [--config configs/demo.yaml]
+    .venv/bin/python -m benchmarks.demo_before_after [--config envs/finqa/demo.yaml]
         [--after models:/finqa-agent@challenger] [--items 128] [--k 4] [--json out.json]
 
-`--after` takes a path or a registry URI (default: the registered `challenger`, the
-newest model the pipeline trained). 128 items x 4 samples = 512 rollouts per model: about
-+-4 points of noise on the mean score, which the interval shows.
+`--after` takes a path or a registry URI (default: the registered `challenger`, the newest
+model the pipeline trained). 128 items x 4 samples = 512 rollouts per model: about +-4
+points of noise on the mean score, which the interval shows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from envs.finqa.demo_model import resolve_base_model
+from envs.finqa.demo import DEMO_CONFIG, tool_server
 from tasks.evaluate import compare
-from tasks.rollout_eval import eval_items, evaluate_model
 from trainer.config import load_config
+from trainer.data import split_items
+from trainer.evaluate import EvalSummary, run_evaluation
+from trainer.policy import load_policy, local_model_path
+from trainer.rollout import RolloutSettings
+from trainer.tools import ToolClient
 
 ROWS = (("score_mean", "score"), ("best_of_k_mean", "best-of-k"), ("tool_calls_mean", "tool calls / rollout"),
         ("tokens_mean", "generated tokens / rollout"), ("latency_s_p50", "latency p50 (s)"))
 
 
+def evaluate(config, model: str, items: list[dict], k: int, prefix: str) -> EvalSummary:
+    """k rollouts per item of `model` through the embedded engine, the job's way."""
+    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri
+    policy = load_policy(local_model_path(model, tracking_uri=tracking_uri), device=config.model.device,
+                         dtype=config.model.dtype)
+    seed = config.baseline.seed
+    backend = policy.backend(max_slots=config.rollout.max_concurrent_rollouts,
+                             max_len=config.rollout.max_total_tokens, seed=seed)
+    summary, _ = run_evaluation(
+        backend, policy.tokenizer, items, k=k, tool_client=ToolClient.from_config(config.tools, seed=seed),
+        grader=config.grader, settings=RolloutSettings.from_config(config.rollout, config.penalties),
+        tools=config.tools.schemas, max_concurrent=config.rollout.max_concurrent_rollouts, prefix=prefix,
+    )
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--config", default=str(DEMO_CONFIG))
     parser.add_argument("--before", default=None, help="Default: the config's base model.")
     parser.add_argument("--after", default=None, help="Default: models:/<registered model>@challenger.")
-    parser.add_argument("--items", type=int, default=128)
+    parser.add_argument("--items", type=int, default=128, help="test items")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
     config = load_config(args.config)
-    before = args.before or resolve_base_model(config)
-    after = args.after or f"models:/{config.promotion.registered_model}@challenger"
-    items = eval_items(config, args.items)
+    before = args.before or config.model.base_model
+    after = args.after or f"models:/{config.registered_model}@challenger"
+    items = split_items(config.data, "test", args.items)
     summaries = {}
-    for label, model in (("before", before), ("after", after)):
-        started = time.perf_counter()
-        summary, _ = evaluate_model(config, model, items, k=args.k, seed=config.baseline.seed, prefix=label)
-        summaries[label] = summary
-        print(f"{label}: {model}: {len(items)} items x {args.k} in {time.perf_counter() - started:.0f}s")
-    gain = compare((summaries["before"], "before"), (summaries["after"], "after"), config)["score_gain"]
+    with tool_server(config, Path(config.data.train_file).parent / "corpus"):
+        for label, model in (("before", before), ("after", after)):
+            started = time.perf_counter()
+            summaries[label] = evaluate(config, model, items, args.k, label)
+            print(f"{label}: {model}: {len(items)} items x {args.k} in {time.perf_counter() - started:.0f}s")
+    gain = compare((summaries["before"], "before"), (summaries["after"], "after"),
+                   samples=config.promotion.bootstrap_samples, seed=config.baseline.seed)["score_gain"]
 
-    table = Table(title=f"before / after: {len(items)} held-out items x {args.k} samples, same seeds")
+    table = Table(title=f"before / after: {len(items)} test items x {args.k} samples, same seed")
     for column in ("figure", "before", "after", "change"):
         table.add_column(column, justify="left" if column == "figure" else "right")
     rows = {}
