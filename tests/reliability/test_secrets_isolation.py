@@ -35,12 +35,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prefect.cache_policies import INPUTS
 
 from envs.finqa.faults import FaultConfig
 from envs.finqa.search import SearchIndex
 from envs.finqa.server import create_app, serve_in_thread
 from envs.finqa.tool_schemas import TOOL_NAMES, TOOL_SCHEMAS
-from trainer.config import config_from_dict
+from tasks.tracking import flat_params
+from trainer.config import config_from_dict, merge_overrides
 from trainer.errors import ConfigError, DataError, InfraError
 from trainer.graders import GraderContext, grade_async
 from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
@@ -49,6 +51,10 @@ SECRET = "agentrft-planted-secret-7f3c9e1d"
 ENV_VAR = "AGENTRFT_TEST_SECRET"
 BIG_PAGE = "reports/BIG/2020/page_1.txt"
 BIG_CHARS = 1_500_000
+# What every config must name besides the tools under test.
+REQUIRED = {"model": {"base_model": "some/model"},
+            "grader": {"type": "numeric", "name": "n", "input": "{{sample.output_text}}",
+                       "reference": "{{item.reference_answer}}"}}
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +104,7 @@ def test_header_secret_stays_out_of_config_params_dump_and_hashes(monkeypatch) -
     stage hash input, and the hash does not move with the secret's value."""
     monkeypatch.setenv(ENV_VAR, SECRET)
     raw = {
+        **REQUIRED,
         "tools": {
             "endpoints": [
                 {
@@ -109,13 +116,21 @@ def test_header_secret_stays_out_of_config_params_dump_and_hashes(monkeypatch) -
         }
     }
     config = config_from_dict(raw, source="secret.yaml")
-    texts = [json.dumps(config.flat_params()), config.model_dump_json(), repr(config), str(config)]
+    params = flat_params(dict(config))  # what the pipeline logs to MLflow
+    texts = [json.dumps(params), config.model_dump_json(), repr(config), str(config)]
     texts += [json.dumps(config.model_dump(mode="json")[section]) for section in config.model_dump()]
     assert not [t for t in texts if SECRET in t]
-    assert config.flat_params()["tools.endpoints"].count(f"${{{ENV_VAR}}}") == 1
-    before = config.section_hash("tools")
+    assert params["tools.endpoints"].count(f"${{{ENV_VAR}}}") == 1
+    # A stage's cache key hashes the sections it is given (Prefect's INPUTS policy): the
+    # templates, so the key neither holds the secret nor moves with its value.
+    def input_key(config):
+        return INPUTS.compute_key(task_ctx=None, inputs={"tools": config.tools}, flow_parameters={})
+
+    before = (config.section_hash("tools"), input_key(config))
     monkeypatch.setenv(ENV_VAR, "another-value-entirely")
-    assert config_from_dict(raw).section_hash("tools") == before
+    again = config_from_dict(raw)
+    assert (again.section_hash("tools"), input_key(again)) == before
+    assert input_key(config_from_dict(merge_overrides(raw, {"tools": {"max_retries": 2}}))) != before[1]
 
 
 @pytest.mark.integration
@@ -254,9 +269,11 @@ def test_config_refuses_endpoints_outside_its_allowlist_at_load_time() -> None:
     endpoint = {"name": "search", "server_url": "http://127.0.0.1:8765/tools/search"}
     with pytest.raises(ConfigError, match=r"job\.yaml: tools\.endpoints\[0\]\.server_url: host '127\.0\.0\.1'"):
         config_from_dict(
-            {"tools": {"endpoints": [endpoint], "allowed_hosts": ["localhost"]}}, source="job.yaml"
+            merge_overrides(REQUIRED, {"tools": {"endpoints": [endpoint], "allowed_hosts": ["localhost"]}}),
+            source="job.yaml",
         )
-    allowed = config_from_dict({"tools": {"endpoints": [endpoint], "allowed_hosts": ["127.0.0.1"]}})
+    allowed = config_from_dict(merge_overrides(REQUIRED, {"tools": {"endpoints": [endpoint],
+                                                                     "allowed_hosts": ["127.0.0.1"]}}))
     assert allowed.tools.allowed_hosts == ["127.0.0.1"]
 
 
