@@ -7,8 +7,10 @@
   a grader that parses its reference (`numeric`) can parse every row's reference; a row
   the grader cannot use would turn all its rollouts into grader errors.
 - Shape: a rollout can start from every row: `messages` is a non-empty list of
-  `{"role", "content"}` objects, a row's own `tools` are valid tool schemas, and the row
-  fits in a tool request (every call carries the whole row as `item`).
+  `{"role", "content"}` objects, a row's own `tools` are valid tool schemas, the row
+  fits in a tool request (every call carries the whole row as `item`), and its `id`, when
+  it has one, can name its rollouts (a null or a list would merge rows in every report;
+  a row without one is named `<file stem>:<line>`).
 
 Each failure names the dataset, the check, the column, what was observed and expected,
 and sample rows (id, line): the report the pipeline shows when it stops.
@@ -138,6 +140,10 @@ def _messages_ok(messages: Any) -> bool:
     )
 
 
+def _id_ok(value: Any) -> bool:
+    return (isinstance(value, str) and bool(value.strip())) or (isinstance(value, int) and not isinstance(value, bool))
+
+
 def check_row_shapes(numbered: Numbered, path: Path) -> list[dict[str, Any]]:
     """Failures for rows a rollout could not start from, whatever the suite says."""
     checked_tools: dict[str, str | None] = {}  # rows usually share one list: check each once
@@ -159,6 +165,9 @@ def check_row_shapes(numbered: Numbered, path: Path) -> list[dict[str, Any]]:
             if checked_tools[key]:
                 problems.append(("tool_schemas_valid", "tools", "Chat Completions tool schemas: a function.name "
                                  "each, once, parameters a JSON schema", checked_tools[key]))
+        if "id" in row and not _id_ok(row["id"]):
+            problems.append(("id_usable", "id", "a non-empty string or an integer (or no `id`: the row is named "
+                             "<file stem>:<line>)", short(row["id"])))
         size = len(json.dumps(row, ensure_ascii=False, default=str).encode())
         if size > MAX_ROW_BYTES:
             problems.append(("row_fits_tool_request", "(row)", f"at most {MAX_ROW_BYTES} bytes", f"{size} bytes"))

@@ -4,11 +4,15 @@ Seeded random mutations of the shipped configs, of tool schemas in a config, of 
 JSON (the shipped numeric grader and a multi grader), of grader items, of data rows and
 of the production traffic log are fed to the real entry points: the `agentrft` CLI in
 process (`config validate`, `train`, `grader validate`, `grader run`, `expectations
-derive`, `data verify`) and `tasks.validate.validate_splits`. A refused input exits
-non-zero with one `error: ...` line naming the file and the key or row, never a
-traceback; `train` stops before it writes anything; data rows are refused with
-`file:line` or reported with their line. Mutations that are valid by design (an empty
-config is all defaults) are not among them.
+derive`, `data verify`) and the validate_data stage's checks
+(`tasks.validate.validate_datasets`: the shipped GX suite's Checkpoint, leakage,
+gradability, row shapes). A refused input exits non-zero with one `error: ...` line
+naming the file and the key or row, never a traceback; `train` stops before it writes
+anything; data rows are refused with `file:line` or reported with their line; changed
+data is caught by DVC. Mutations that are valid by design are not among them: the
+pipeline assumes nothing about a row beyond `messages`, the fields its grader reads and
+its `tools`, so dropping or nulling a field nothing reads (the demo's `question`,
+`category`, `year`) is not an error.
 
 The number of mutations tried is counted per kind, printed at the end and written to
 `bad_input_mutations.json` in pytest's base temp directory.
@@ -29,16 +33,22 @@ from typing import Any
 import pytest
 import yaml
 from annotated_types import Ge, Gt, Le, Lt
+from pydantic import TypeAdapter, ValidationError
 
+from envs.finqa.demo import DEMO_CONFIG
 from flows.cli import main
-from tasks.validate import load_suite, validate_splits
-from trainer.config import PipelineConfig, Section
+from tasks.data_version import check_pinned, init
+from tasks.validate import validate_datasets
+from trainer.config import DataConfig, PipelineConfig, Section
 from trainer.errors import DataError
 
 SEED = 20261129
 TRIED: Counter[str] = Counter()
 REPO = Path(__file__).resolve().parents[2]
-NUMERIC = json.loads((REPO / "configs/graders/finqa_numeric.json").read_text())
+NUMERIC = json.loads((REPO / "envs/finqa/grader.json").read_text())
+# The two keys every config must have; the rest has defaults.
+REQUIRED = {"model": {"base_model": "some/model"}, "grader": NUMERIC}
+BASES = {"demo": DEMO_CONFIG, "job": REPO / "configs" / "job.yaml"}
 MULTI = {
     "type": "multi",
     "name": "finqa_multi",
@@ -113,6 +123,18 @@ def _scalar(annotation: Any) -> type | None:
     return members[0] if len(members) == 1 and members[0] in SCALAR_WRONG else None
 
 
+def _wrong_for(annotation: Any, values: tuple) -> list[Any]:
+    """The values the field's type refuses ({"x": 1} is a valid `dict[str, float]`)."""
+    adapter = TypeAdapter(annotation)
+    wrong = []
+    for value in values:
+        try:
+            adapter.validate_python(value)
+        except ValidationError:
+            wrong.append(value)
+    return wrong
+
+
 def _set(raw: dict, section: str, key: str, value: Any) -> None:
     if not isinstance(raw.get(section), dict):
         raw[section] = {}
@@ -134,7 +156,8 @@ def config_mutations(rng: random.Random, base: dict) -> Iterator[tuple[str, Any,
         raw = copy.deepcopy(base)
         kind = rng.choice(
             ["unknown_key", "wrong_type", "out_of_range", "non_finite", "literal", "missing_key",
-             "grader", "endpoint", "invalid_utf8", "invalid_yaml", "not_a_mapping", "duplicate_key"]
+             "missing_section", "grader", "endpoint", "invalid_utf8", "invalid_yaml", "not_a_mapping",
+             "duplicate_key"]
         )  # fmt: skip
         if kind == "unknown_key":
             section = rng.choice([*sections, None])
@@ -152,8 +175,10 @@ def config_mutations(rng: random.Random, base: dict) -> Iterator[tuple[str, Any,
         elif kind == "wrong_type":
             section, key, info = rng.choice(leaves)
             scalar = _scalar(info.annotation)
-            value = rng.choice(WRONG_TYPES + ((SCALAR_WRONG[scalar],) if scalar else ()))
-            _set(raw, section, key, value)
+            wrong = _wrong_for(info.annotation, WRONG_TYPES + ((SCALAR_WRONG[scalar],) if scalar else ()))
+            if not wrong:
+                continue
+            _set(raw, section, key, rng.choice(wrong))
             yield kind, raw, [f"{section}.{key}"]
         elif kind == "out_of_range":
             section, key, info, bound = rng.choice(bounded)
@@ -180,6 +205,10 @@ def config_mutations(rng: random.Random, base: dict) -> Iterator[tuple[str, Any,
             else:
                 _set(raw, "prompt_optimization", "variants", [{"system_prompt": "Be brief."}])
                 yield kind, raw, ["prompt_optimization.variants.0.name", "missing"]
+        elif kind == "missing_section":
+            section = rng.choice(["model", "grader"])
+            del raw[section]
+            yield kind, raw, [f"{section}: required key is missing"]
         elif kind == "grader":
             grader, fragment = rng.choice(
                 [
@@ -221,7 +250,7 @@ def config_mutations(rng: random.Random, base: dict) -> Iterator[tuple[str, Any,
             text = "".join(lines[:at]) + rng.choice(YAML_BREAKERS) + "".join(lines[at:])
             yield kind, text.encode(), ["invalid YAML"]
         elif kind == "not_a_mapping":
-            value = rng.choice([[raw], "configs/demo.yaml", 42, [1, 2, 3]])
+            value = rng.choice([[raw], "envs/finqa/demo.yaml", 42, [1, 2, 3]])
             yield kind, yaml.safe_dump(value).encode(), ["must be a mapping"]
         else:  # duplicate_key: a leaf line written twice in its section
             lines = yaml.safe_dump(raw, sort_keys=False).splitlines(keepends=True)
@@ -241,12 +270,15 @@ def _write_config(path: Path, content: Any) -> Path:
     return path
 
 
-@pytest.mark.parametrize("base_name", ["demo.yaml", "test.yaml"])
+@pytest.mark.parametrize("base_name", list(BASES))
 def test_fuzzed_configs_are_refused_naming_file_and_key(
-    base_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    base_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("TOOLS_TOKEN", "t0ken")  # configs/job.yaml's header secret
     rng = random.Random(f"{SEED}:{base_name}")
-    base = yaml.safe_load((REPO / "configs" / base_name).read_text())
+    base = yaml.safe_load(BASES[base_name].read_text())
+    path = _write_config(tmp_path / "unmutated.yaml", base)
+    assert cli(["config", "validate", str(path)], capsys)[0] == 0  # the mutations are what is refused
     mutations = config_mutations(rng, base)
     for index in range(60):
         kind, content, fragments = next(mutations)
@@ -261,10 +293,14 @@ def test_fuzzed_configs_are_refused_naming_file_and_key(
             TRIED[f"train:{kind}"] += 1
 
 
-def test_empty_config_is_all_defaults_not_an_error(tmp_path: Path, capsys) -> None:
-    """The one file-level 'mutation' that is valid by design (tests/trainer/test_config.py)."""
+def test_empty_config_names_the_required_keys(tmp_path: Path, capsys) -> None:
+    """A job must name its model and its grader; with just those, the rest is defaults."""
     path = tmp_path / "empty.yaml"
     path.write_text("")
+    assert_refused(["config", "validate", str(path)], capsys,
+                   [str(path), "model: required key is missing", "grader: required key is missing"], "empty")
+    TRIED["config:empty"] += 1
+    path.write_text(yaml.safe_dump(REQUIRED))
     code, out, _ = cli(["config", "validate", str(path)], capsys)
     assert code == 0 and json.loads(out)["valid"] is True
 
@@ -329,12 +365,12 @@ def test_fuzzed_tool_schemas_are_refused_at_config_load(
     mutations = schema_mutations(rng, TOOL_SCHEMAS)
     for index in range(30):
         kind, schemas, fragment = next(mutations)
-        raw = {"tools": {"schemas": schemas, "endpoints": endpoints}}
+        raw = {**REQUIRED, "tools": {"schemas": schemas, "endpoints": endpoints}}
         path = _write_config(tmp_path / f"{index:03d}_{kind}.yaml", raw)
         assert_refused(["config", "validate", str(path)], capsys, [str(path), fragment], kind)
         TRIED[f"tool_schema:{kind}"] += 1
     # Unmutated, the same config is valid: the mutation is what was refused.
-    path = _write_config(tmp_path / "ok.yaml", {"tools": {"schemas": TOOL_SCHEMAS, "endpoints": endpoints}})
+    path = _write_config(tmp_path / "ok.yaml", {**REQUIRED, "tools": {"schemas": TOOL_SCHEMAS, "endpoints": endpoints}})
     assert cli(["config", "validate", str(path)], capsys)[0] == 0
 
 
@@ -503,26 +539,42 @@ def test_item_the_grader_cannot_use_is_a_grader_error_not_a_score(
 
 # --- data rows ---------------------------------------------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def base_rows(demo_data_dir: Path) -> tuple[list[str], list[str]]:
-    train = (demo_data_dir / "train.jsonl").read_text().splitlines()[:30]
-    eval_ = (demo_data_dir / "validation.jsonl").read_text().splitlines()[:6]
-    return train, eval_
+SPLITS = ("train", "validation", "test")
 
 
 @pytest.fixture(scope="module")
-def suite() -> dict:
-    return load_suite(REPO / "expectations/production_traffic.json")
+def base_rows(demo_data_dir: Path) -> dict[str, list[str]]:
+    counts = {"train": 30, "validation": 6, "test": 6}
+    return {split: (demo_data_dir / f"{split}.jsonl").read_text().splitlines()[:n] for split, n in counts.items()}
+
+
+@pytest.fixture(scope="module")
+def context(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the shipped GX context (the demo's suite and its Checkpoint): running the
+    Checkpoint writes results and Data Docs, which stay out of the repository."""
+    root = tmp_path_factory.mktemp("gx") / "expectations"
+    shutil.copytree(REPO / "expectations", root, ignore=shutil.ignore_patterns("uncommitted"))
+    return root
+
+
+def data_section(paths: dict[str, Path], context: Path | None) -> DataConfig:
+    return DataConfig(train_file=str(paths["train"]), validation_file=str(paths["validation"]),
+                      test_file=str(paths["test"]), expectations_dir=str(context or "expectations"),
+                      expectations_suite="production_traffic" if context else None)
+
+
+def write_splits(tmp_path: Path, prefix: str, rows: dict[str, list]) -> dict[str, Path]:
+    paths = {}
+    for split, lines in rows.items():
+        paths[split] = tmp_path / f"{prefix}_{split}.jsonl"
+        paths[split].write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return paths
 
 
 def test_fuzzed_unreadable_rows_raise_data_error_with_file_and_line(base_rows, tmp_path: Path) -> None:
-    train, eval_ = base_rows
     rng = random.Random(f"{SEED}:rows:unreadable")
-    eval_path = tmp_path / "validation.jsonl"
-    eval_path.write_text("\n".join(eval_) + "\n")
     for index in range(24):
-        lines = [line.encode() for line in train]
+        lines = [line.encode() for line in base_rows["train"]]
         at = rng.randrange(len(lines))
         kind = rng.choice(["truncated_json", "invalid_utf8", "not_an_object", "empty_file"])
         if kind == "truncated_json":
@@ -537,44 +589,57 @@ def test_fuzzed_unreadable_rows_raise_data_error_with_file_and_line(base_rows, t
             fragment = f":{at + 1}: expected a JSON object"
         else:
             lines = [rng.choice([b"", b"   ", b"\t"])] * rng.randrange(1, 4)
-            fragment = ": the file has no rows"
-        path = tmp_path / f"train_{index:03d}.jsonl"
-        path.write_bytes(b"\n".join(lines) + b"\n")
+            fragment = ": the train file has no rows"
+        paths = write_splits(tmp_path, f"{index:03d}", {k: v for k, v in base_rows.items() if k != "train"})
+        paths["train"] = tmp_path / f"{index:03d}_train.jsonl"
+        paths["train"].write_bytes(b"\n".join(lines) + b"\n")
         with pytest.raises(DataError) as failure:
-            validate_splits(None, path, eval_path, NUMERIC)
-        assert f"{path}{fragment}" in str(failure.value), (kind, str(failure.value))
+            validate_datasets(data_section(paths, None), NUMERIC)
+        assert f"{paths['train']}{fragment}" in str(failure.value), (kind, str(failure.value))
         TRIED[f"rows:{kind}"] += 1
 
 
-def row_mutations(rng: random.Random, train: list[dict], eval_: list[dict]):
-    """(kind, train rows, eval rows, which split and 1-based line the report must name), forever."""
+def row_mutations(rng: random.Random, base: dict[str, list[dict]]):
+    """(kind, rows by split, which split and 1-based line the report must name), forever.
+
+    Only what the pipeline relies on is mutated: `messages`, `tools`, the grader's
+    `reference_answer`, ids, and the values and JSON types of the fields production sends.
+    """
     while True:
-        train_rows, eval_rows = copy.deepcopy(train), copy.deepcopy(eval_)
-        at = rng.randrange(len(train_rows))
-        row = train_rows[at]
+        rows = copy.deepcopy(base)
+        at = rng.randrange(len(rows["train"]))
+        row = rows["train"][at]
         kind = rng.choice(
             ["missing_key", "wrong_type", "null", "duplicate_id", "unknown_category", "shared_id",
-             "unparseable_reference", "bad_messages", "bad_tools", "huge_row"]
+             "shared_question", "unparseable_reference", "bad_messages", "bad_tools", "huge_row"]
         )  # fmt: skip
         split = "train"
         if kind == "missing_key":
-            del row[rng.choice(["id", "messages", "question", "reference_answer", "category", "tools"])]
+            del row[rng.choice(["messages", "reference_answer", "tools"])]
         elif kind == "wrong_type":
             key, value = rng.choice(
-                [("id", 123), ("question", ["what?"]), ("category", 5), ("messages", "hi"),
-                 ("year", "2019"), ("exe_ans", "12.5"), ("gold_pages", "page_1.txt"), ("tools", {})]
+                [("id", 123), ("question", ["what?"]), ("question", 12.5), ("category", 5), ("messages", "hi"),
+                 ("year", "2019"), ("exe_ans", "12.5"), ("gold_pages", "page_1.txt"), ("reference_answer", 37.2),
+                 ("ticker", True), ("tools", {})]
             )  # fmt: skip
             row[key] = value
         elif kind == "null":
-            row[rng.choice(["id", "question", "reference_answer", "category", "year"])] = None
+            row[rng.choice(["id", "messages", "reference_answer", "tools"])] = None
         elif kind == "duplicate_id":
-            other = rng.choice([i for i in range(len(train_rows)) if i != at])
-            row["id"] = train_rows[other]["id"]
+            other = rng.choice([i for i in range(len(rows["train"])) if i != at])
+            row["id"] = rows["train"][other]["id"]
         elif kind == "unknown_category":
             row["category"] = rng.choice(["astrology", "", "RATIO"])
         elif kind == "shared_id":
-            split, at = "eval", rng.randrange(len(eval_rows))
-            eval_rows[at]["id"] = rng.choice(train_rows)["id"]
+            split = rng.choice(["validation", "test"])
+            at = rng.randrange(len(rows[split]))
+            rows[split][at]["id"] = rng.choice(rows["train"])["id"]
+        elif kind == "shared_question":
+            split = rng.choice(["validation", "test"])
+            at = rng.randrange(len(rows[split]))
+            asked = rng.choice(rows["train"])["messages"][0]["content"]
+            # the same request, differently written: case, punctuation and spaces
+            rows[split][at]["messages"] = [{"role": "user", "content": "  " + asked.upper().replace("?", " ?!")}]
         elif kind == "unparseable_reference":
             row["reference_answer"] = rng.choice(["n/a", "", "about a third", "TBD%"])
         elif kind == "bad_messages":
@@ -593,39 +658,35 @@ def row_mutations(rng: random.Random, train: list[dict], eval_: list[dict]):
                 tools.append(copy.deepcopy(tools[i]))
         else:
             row["question"] = row["question"] + " " + "x" * 1_100_000
-        yield kind, train_rows, eval_rows, split, at + 1
+        yield kind, rows, split, at + 1
 
 
-def test_fuzzed_rows_are_reported_with_their_line(base_rows, suite: dict, tmp_path: Path) -> None:
-    """Through the GX suite derived from production traffic, leakage, reference and row
-    shape checks: each mutated row is a failure whose samples name its line."""
-    train, eval_ = ([json.loads(line) for line in lines] for lines in base_rows)
+def test_fuzzed_rows_are_reported_with_their_line(base_rows, context: Path, tmp_path: Path) -> None:
+    """Through the shipped GX suite derived from production traffic, and the leakage,
+    gradability and row shape checks: each mutated row is a failure whose samples name
+    its line in its file."""
+    base = {split: [json.loads(line) for line in lines] for split, lines in base_rows.items()}
     rng = random.Random(f"{SEED}:rows:content")
-    mutations = row_mutations(rng, train, eval_)
+    mutations = row_mutations(rng, base)
     for index in range(36):
-        kind, train_rows, eval_rows, split, line = next(mutations)
-        paths = {}
-        for name, rows in (("train", train_rows), ("eval", eval_rows)):
-            paths[name] = tmp_path / f"{index:03d}_{name}.jsonl"
-            paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
-        report = validate_splits(suite, paths["train"], paths["eval"], NUMERIC)
+        kind, rows, split, line = next(mutations)
+        paths = write_splits(tmp_path, f"{index:03d}", rows)
+        report, _ = validate_datasets(data_section(paths, context), NUMERIC)
         named = [
             f for f in report.failures
             if any(isinstance(s, dict) and s.get("line") == line for s in f["samples"])
-            and (f["dataset"] in (str(paths[split]), "train+eval"))
+            and str(paths[split]) in f["dataset"]
         ]  # fmt: skip
-        assert not report.ok and named, (kind, split, line, report.failures)
+        assert report.failures and named, (kind, split, line, report.failures)
         TRIED[f"rows:{kind}"] += 1
 
 
-def test_clean_rows_pass(base_rows, suite: dict, tmp_path: Path) -> None:
+def test_clean_rows_pass(base_rows, context: Path, tmp_path: Path) -> None:
     """The unmutated sample passes, so every failure above comes from its mutation."""
-    paths = []
-    for name, lines in zip(("train", "eval"), base_rows, strict=True):
-        paths.append(tmp_path / f"{name}.jsonl")
-        paths[-1].write_text("\n".join(lines) + "\n")
-    report = validate_splits(suite, *paths, NUMERIC)
-    assert report.ok, report.failures
+    report, docs = validate_datasets(data_section(write_splits(tmp_path, "clean", base_rows), context), NUMERIC)
+    assert report.failures == []
+    assert [d.split for d in report.datasets] == list(SPLITS) and all(d.evaluated > 10 for d in report.datasets)
+    assert (docs / "index.html").is_file() and str(docs).startswith(str(context))
 
 
 # --- production traffic and the data pin ---------------------------------------------------------
@@ -639,7 +700,7 @@ def test_fuzzed_traffic_is_refused_by_expectations_derive(
     for index in range(16):
         mutated = list(lines)
         at = rng.randrange(len(mutated))
-        kind = rng.choice(["truncated_json", "invalid_utf8", "not_an_object", "empty", "no_string_key"])
+        kind = rng.choice(["truncated_json", "invalid_utf8", "not_an_object", "empty", "no_messages"])
         if kind == "truncated_json":
             mutated[at] = mutated[at][: rng.randrange(1, len(mutated[at]) - 1)]
             fragments = [f":{at + 1}: invalid JSON"]
@@ -650,33 +711,45 @@ def test_fuzzed_traffic_is_refused_by_expectations_derive(
             mutated[at] = b"[1, 2, 3]"
             fragments = [f":{at + 1}: expected a JSON object"]
         elif kind == "empty":
-            mutated = [b""]
-            fragments = ["the file has no rows"]
-        else:
-            key = rng.choice(["id", "question", "category"])
-            value = rng.choice([None, 7, ["x"]])
-            mutated = [json.dumps({**json.loads(m), key: value}).encode() for m in mutated]
-            fragments = [f"no row has a string {key!r}"]
-        traffic, out = tmp_path / f"traffic_{index:03d}.jsonl", tmp_path / f"suite_{index:03d}.json"
+            mutated = [rng.choice([b"", b"  "])]
+            fragments = ["the traffic log has no rows"]
+        else:  # no row carries a `messages` list: not an OpenAI RFT log
+            value = rng.choice([None, "What was revenue?", {"role": "user"}])
+            mutated = [json.dumps({**json.loads(m), "messages": value}).encode() for m in mutated]
+            fragments = ["no row has a `messages` list"]
+        traffic, context = tmp_path / f"traffic_{index:03d}.jsonl", tmp_path / f"gx_{index:03d}"
         traffic.write_bytes(b"\n".join(mutated) + b"\n")
-        argv = ["expectations", "derive", "--from", str(traffic), "--out", str(out)]
+        argv = ["expectations", "derive", "--from", str(traffic), "--dir", str(context), "--name", "suite"]
         assert_refused(argv, capsys, [str(traffic), *fragments], kind)
-        assert not out.exists()
+        assert not (context / "expectations" / "suite.json").exists()
         TRIED[f"traffic:{kind}"] += 1
 
 
-def test_changed_data_fails_data_verify_naming_the_file(
+def test_changed_data_is_caught_by_dvc_and_restored_by_data_verify(
     demo_data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    init(tmp_path)
+    shutil.copy(REPO / "data.dvc", tmp_path / "data.dvc")
     data = tmp_path / "data"
     shutil.copytree(demo_data_dir, data, ignore=shutil.ignore_patterns(".*"))
-    lines = (data / "train.jsonl").read_text().splitlines(keepends=True)
+    pinned = (data / "train.jsonl").read_bytes()
+    lines = pinned.decode().splitlines(keepends=True)
     lines[7] = lines[7].replace('"year": ', '"year": 1')  # one changed row
     (data / "train.jsonl").write_text("".join(lines))
-    argv = ["data", "verify", "--data-dir", str(data), "--dvc-file", str(REPO / "data.dvc")]
-    code, out, err = cli(argv, capsys)
-    assert code == 1 and "Traceback" not in err
-    assert "data mismatch" in out and "train.jsonl" in out
+    # Every pipeline run checks the pin first: the changed data stops it, naming the fix.
+    with pytest.raises(DataError, match=rf"{data}: differs from the version .*data\.dvc pins \(modified: data/\); "
+                       "restore it with `dvc checkout"):
+        check_pinned(tmp_path / "data.dvc")
+    config = yaml.safe_load(DEMO_CONFIG.read_text())
+    config["data"].update(dvc_file=str(tmp_path / "data.dvc"), train_file=str(data / "train.jsonl"),
+                          validation_file=str(data / "validation.jsonl"), test_file=str(data / "test.jsonl"),
+                          production_traffic_file=str(data / "production_traffic.jsonl"))
+    path = _write_config(tmp_path / "demo.yaml", config)
+    # The demo's own data is regenerated from its seed, saying why, and matches its pin again.
+    code, out, err = cli(["data", "verify", "--config", str(path)], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert f"regenerating {data} from seed 0" in out and "modified: data/" in out
+    assert (data / "train.jsonl").read_bytes() == pinned
     TRIED["data_verify:changed_row"] += 1
 
 
