@@ -20,8 +20,9 @@ the step's time grows with the group size and the batch.
     log-softmax over all of them. Each variant runs in a fresh process (peak RSS is a
     process-wide high-water mark): RSS before the first update, peak RSS through
     `--repeats` updates after one warm-up, and updates per second. The model is a small
-    Qwen3 with a real vocabulary (32,768 tokens) on rollouts of 2,048 tokens with a
-    512-token prompt, where the [batch, length, vocabulary] logits dominate.
+    Qwen3 with a real vocabulary (32,768 tokens) on rollouts of 1,536 tokens with a
+    256-token prompt (a completion span of two 1,024-position chunks), where the
+    [batch, length, vocabulary] logits dominate.
 (3) Scaling. Whole training steps (`GRPOTrainer._train_step`: rollouts of the taught model
     through the real tool server, grading, the update) as the group size doubles (4, 8,
     16 at 2 items) and as the items per step double (1, 2, 4 at a group of 4). Every point
@@ -384,9 +385,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--mem-vocab", type=int, default=32768, help="(2): vocabulary of the model")
     parser.add_argument("--mem-hidden", type=int, default=256, help="(2): hidden size of the model")
     parser.add_argument("--mem-layers", type=int, default=2, help="(2): layers of the model")
-    parser.add_argument("--mem-seq-len", type=int, default=2048, help="(2): tokens per rollout")
-    parser.add_argument("--mem-prompt-len", type=int, default=512, help="(2): prompt tokens per rollout")
-    parser.add_argument("--mem-rollouts", type=int, default=4, help="(2): rollouts per update")
+    parser.add_argument("--mem-seq-len", type=int, default=1536, help="(2): tokens per rollout")
+    parser.add_argument("--mem-prompt-len", type=int, default=256, help="(2): prompt tokens per rollout")
+    parser.add_argument("--mem-rollouts", type=int, default=2, help="(2): rollouts per update")
     parser.add_argument("--mem-micro-batch-size", type=int, default=2, help="(2): rollouts per forward/backward")
     parser.add_argument("--memory-variant", choices=["before", "after"], help=argparse.SUPPRESS)
     parser.add_argument("--scaling-steps", type=int, default=2, help="steps per scaling point in each round")

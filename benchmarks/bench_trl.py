@@ -60,7 +60,7 @@ model, never trained on by either side) through our engine at temperature 1 with
 fixed seed, tools at 0 ms. `--latency-seeds` more seed pairs run with 100 ms of tool
 latency, for steps per second only.
 
-    python -m benchmarks.bench_trl [--seeds 8] [--steps 5] [--eval-k 32] [--json out.json]
+    python -m benchmarks.bench_trl [--seeds 8] [--steps 5] [--eval-k 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "and on average")
     parser.add_argument("--latency-seeds", type=int, default=3,
                         help="seed pairs with 100 ms of tool latency (steps per second only)")
-    parser.add_argument("--eval-k", type=int, default=32, help="evaluation samples per test item")
+    parser.add_argument("--eval-k", type=int, default=64, help="evaluation samples per test item")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of both (1: steadier on a shared machine, and faster for this model)")
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE, help="both sides' learning rate")
