@@ -45,7 +45,8 @@ def ensure_data(config: Any, *, seed: int = 0, log: Any = print) -> str:
         return check_pinned(config.data.dvc_file)
     except DataError as exc:
         raise DataError(f"the regenerated data does not match {config.data.dvc_file}: {exc}; the generator no "
-                        "longer reproduces the pinned data (run `agentrft data verify` for details)") from None
+                        f"longer reproduces the pinned data: restore the generator, or pin the new data with "
+                        f"`dvc add {data_dir}` and commit {config.data.dvc_file}") from None
 
 
 @contextmanager

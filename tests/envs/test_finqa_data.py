@@ -124,8 +124,9 @@ def test_a_generator_that_no_longer_reproduces_the_pin_is_reported(tmp_path):
     # Another seed stands in for a changed generator.
     project_with_pin(tmp_path)
     with pytest.raises(DataError, match=r"the regenerated data does not match .*data\.dvc: .*differs from the "
-                       r"version .*no longer reproduces the pinned data"):
+                       r"version .*no longer reproduces the pinned data") as error:
         ensure_data(demo_config_in(tmp_path), seed=1, log=lambda _: None)
+    assert f"`dvc add {tmp_path / 'data'}` and commit {tmp_path / 'data.dvc'}" in str(error.value)
 
 
 def test_data_version_round_trip_through_dvc(tmp_path):
