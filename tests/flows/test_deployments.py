@@ -42,10 +42,11 @@ def _wait_for_deployment(name: str, process: subprocess.Popen, timeout: float = 
 
 
 def _custom_parameters(deployment, **sections) -> dict:
-    params = dict(deployment.parameters)
+    """The deployment's parameters with some config fields changed, as the form sends them."""
+    config = dict(deployment.parameters["config"])
     for section, values in sections.items():
-        params[section] = {**params[section], **values}
-    return params
+        config[section] = {**config[section], **values}
+    return {**deployment.parameters, "config": config}
 
 
 def test_served_deployment_runs_with_custom_parameters(harness, world, endpoints, taught_model):
@@ -58,12 +59,23 @@ def test_served_deployment_runs_with_custom_parameters(harness, world, endpoints
     try:
         deployment = _wait_for_deployment("agent-rft-pipeline/scheduled", server)
         assert [s.schedule.cron for s in deployment.schedules] == ["0 2 * * *"]
-        assert "prompt_optimization" in deployment.parameter_openapi_schema["properties"]
+        # The form: the whole config as typed fields, with their descriptions, and the stages
+        # to refresh.
+        schema = deployment.parameter_openapi_schema
+        assert set(schema["properties"]) == {"config", "refresh"} and schema["required"] == ["config"]
+        form = schema["definitions"]
+        assert "prompt_optimization" in form["PipelineConfig"]["properties"]
+        target = form["PromptOptimizationConfig"]["properties"]["target_score"]
+        assert (target["type"], target["minimum"], target["maximum"]) == ("number", 0, 1) and target["description"]
+        assert deployment.parameters["config"]["name"] == "micro" and deployment.parameters["refresh"] == []
         # A custom run from the form: a target the base model already reaches ends the run
         # before training ("RFT not needed").
         params = _custom_parameters(deployment, prompt_optimization={"target_score": 0.0})
         run = run_deployment("agent-rft-pipeline/scheduled", parameters=params, timeout=900)
         assert run.state.is_completed(), run.state
+        outcome = run.state.result()
+        assert outcome["outcome"] == "rft_not_needed" and set(outcome["stages"]) == {
+            "validate_data", "baseline", "prompt_optimization"}
         _wait_for_deployment("promote-model/by-hand", server)
     finally:
         server.terminate()
@@ -72,7 +84,7 @@ def test_served_deployment_runs_with_custom_parameters(harness, world, endpoints
 
     with get_client(sync_client=True) as client:
         result = client.read_flow_run(run.id)
-    assert result.parameters["prompt_optimization"]["target_score"] == 0.0
+    assert result.parameters["config"]["prompt_optimization"]["target_score"] == 0.0
 
 
 def test_work_pool_worker_runs_a_deployment(harness, world, endpoints, taught_model):
@@ -92,6 +104,7 @@ def test_work_pool_worker_runs_a_deployment(harness, world, endpoints, taught_mo
     try:
         run = run_deployment("agent-rft-pipeline/scheduled", timeout=900)
         assert run.state.is_completed(), run.state
+        assert run.state.result()["outcome"] == "rft_not_needed"
     finally:
         worker.terminate()
         try:
