@@ -97,8 +97,11 @@ def test_custom_run_from_the_ui_form_completes(prefect_server, world, endpoints,
                 page.get_by_role("button", name="Run", exact=True).click()
                 page.get_by_text("Custom run", exact=True).click()
                 expect(page).to_have_url(re.compile(r"/deployment/[0-9a-f-]+/run(\?|$)"), timeout=60_000)  # client-side routing
-                # The form shows the config sections; this custom run renames the job.
-                name = page.locator("xpath=//*[normalize-space(text())='name (Optional)']/following::textarea[1]")
+                # The form shows the config's fields with their descriptions; this custom run
+                # renames the job (the config's first field).
+                expect(page.get_by_text("Job name.", exact=True)).to_be_visible(timeout=60_000)
+                name = page.locator("xpath=(//*[normalize-space(text())='Name (Optional)'])[1]/following::textarea[1]")
+                expect(name).to_have_value("browser")
                 name.fill("browser-from-ui")
                 page.get_by_role("button", name="Submit", exact=True).click()
                 # Back on the deployment's page, the new run is listed.
@@ -113,7 +116,7 @@ def test_custom_run_from_the_ui_form_completes(prefect_server, world, endpoints,
             # The cron also schedules future runs: ours is the one the form renamed.
             runs = httpx.post(f"{api}/flow_runs/filter", timeout=5,
                               json={"deployments": {"id": {"any_": [dep["id"]]}}}).json()
-            ours = [r for r in runs if r["parameters"].get("name") == "browser-from-ui"]
+            ours = [r for r in runs if r["parameters"]["config"].get("name") == "browser-from-ui"]
             assert len(ours) <= 1, ours
             done = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
             return ours[0] if ours and ours[0]["state"]["type"] in done else None
@@ -121,7 +124,8 @@ def test_custom_run_from_the_ui_form_completes(prefect_server, world, endpoints,
         run = _wait(finished, 900, "the flow run", every=3)
         assert run["state"]["type"] == "COMPLETED", run["state"]
         assert run["deployment_id"] == dep["id"]
-        assert run["parameters"]["name"] == "browser-from-ui"
+        assert run["parameters"]["config"]["name"] == "browser-from-ui"
+        assert run["parameters"]["config"]["model"]["base_model"] == str(taught_model)  # the rest as served
     finally:
         served.terminate()
         served.wait(timeout=60)
