@@ -61,10 +61,9 @@ def _config(path: Path, assignments: list[str] | None) -> Any:
 
 def _run_pipeline(config: Any, refresh: list[str]) -> dict[str, Any]:
     """Run the pipeline flow; a failed run's reason becomes the command's error."""
-    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
+    from flows.pipeline import agent_rft_pipeline, outcome_of, pipeline_parameters
 
-    state = agent_rft_pipeline(**pipeline_parameters(config, refresh), return_state=True)
-    return _result(state, "the pipeline")
+    return outcome_of(agent_rft_pipeline(**pipeline_parameters(config, refresh), return_state=True))
 
 
 def _result(state: Any, what: str) -> Any:
@@ -423,7 +422,9 @@ def model_bootstrap(
 def main(argv: list[str] | None = None) -> int:
     """Entry point (`agentrft`): user errors as one line and status 2."""
     try:
-        app(args=argv, standalone_mode=False)
+        # Without standalone mode click hands back ctx.exit()'s status (typer.Exit) as the
+        # return value rather than raising it.
+        status = app(args=argv, standalone_mode=False)
     except AgentRFTError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -438,8 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, click.ClickException):
             exc.show()
             return exc.exit_code
+        if isinstance(exc, click.exceptions.Abort):  # Ctrl-C inside click
+            print("interrupted", file=sys.stderr)
+            return 130
         raise
-    return 0
+    return status if isinstance(status, int) else 0
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
+from prefect.states import Failed
 
 from tasks.baseline import baseline
 from tasks.data_version import data_version
@@ -153,7 +154,25 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict
 @flow(name="agent-rft-pipeline", persist_result=True, log_prints=True)
 def agent_rft_pipeline(config: PipelineConfig, refresh: list[Stage] | None = None) -> dict[str, Any]:
     """Validate data, baseline, prompt variants, GRPO, regression eval, promotion."""
-    return run_stages(config, refresh)
+    try:
+        return run_stages(config, refresh)
+    except PipelineStopped as exc:
+        # A gate's verdict is an outcome, not a crash: the run ends FAILED ("Stopped") with
+        # the gate's reason as its message, and no traceback in the logs.
+        return Failed(name="Stopped", message=str(exc))
+
+
+def outcome_of(state: Any) -> dict[str, Any]:
+    """The outcome of a finished pipeline run's `state`; a gate's stop raises PipelineStopped,
+    a stage's user error its AgentRFTError, anything else AgentRFTError with its text."""
+    if state.is_failed() and state.name == "Stopped":
+        raise PipelineStopped(state.message)
+    try:
+        return state.result()
+    except AgentRFTError:
+        raise
+    except Exception as exc:
+        raise AgentRFTError(f"the pipeline failed: {exc}") from None
 
 
 def pipeline_parameters(config: PipelineConfig, refresh: list[str] | None = None) -> dict[str, Any]:

@@ -272,7 +272,7 @@ def log_transformers_model(ctx: RunContext, run_id: str, model_dir: Path, name: 
     use_mlflow_store(ctx.tracking_uri)
 
     def log() -> Any:
-        with mlflow.start_run(run_id=run_id):
+        with mlflow.start_run(run_id=run_id), _pipeline_classes_resolved():
             return mlflow.transformers.log_model(
                 transformers_model=str(model_dir),
                 task="text-generation",
@@ -285,6 +285,32 @@ def log_transformers_model(ctx: RunContext, run_id: str, model_dir: Path, name: 
 
     info = with_retries(log, what=f"logging model {name}", timeout_s=300.0)
     return info.model_uri, info.model_id
+
+
+@contextmanager
+def _pipeline_classes_resolved() -> Iterator[None]:
+    """transformers 5.2x names each task's pipeline class by its import path in the task
+    registry; MLflow 3.17's log_model from a checkpoint directory reads `__name__` off it
+    (AttributeError). For the duration of the call, `check_task` hands back the class."""
+    import importlib
+
+    from transformers import pipelines
+
+    original = pipelines.check_task
+
+    def check_task(task: str, *args: Any, **kwargs: Any) -> Any:
+        name, metadata, options = original(task, *args, **kwargs)
+        impl = metadata.get("impl")
+        if isinstance(impl, str):
+            module, _, cls = impl.rpartition(".")
+            metadata = {**metadata, "impl": getattr(importlib.import_module(module), cls)}
+        return name, metadata, options
+
+    pipelines.check_task = check_task
+    try:
+        yield
+    finally:
+        pipelines.check_task = original
 
 
 def _model_requirements() -> list[str]:

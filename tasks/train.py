@@ -5,14 +5,15 @@ process count, mixed precision or accelerate config file from the config, so the
 stage runs one CPU process here and DDP/FSDP/DeepSpeed on GPUs. The stage hands it the
 MLflow run id (the trainer logs `train/...` and `eval/...` to it directly), forwards its
 progress to the Prefect log, and on failure fails with the tail of its stderr. The output
-folder is the pipeline run's and the trainer always starts with `--resume`: a Prefect
-retry of a killed run continues from the last checkpoint. The best checkpoints (by
+folder is named by what it trains and the trainer always starts with `--resume`: a Prefect
+retry, or the re-run of a killed pipeline, continues from the last checkpoint. The best checkpoints (by
 validation score) are logged as MLflow models, straight from their directories, with
 their step; the best one is the candidate.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -115,6 +116,18 @@ def _worth_a_retry(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
+def _output_dir(work_dir: Path, effective: PipelineConfig, model_path: str) -> Path:
+    """The trainer's folder, named by what it trains (model and effective config): a Prefect
+    retry, or a re-run of a killed pipeline, finds its checkpoints and resumes. A finished
+    training there (a refreshed stage) is kept and the new one starts in a fresh folder."""
+    key = hashlib.sha256(json.dumps([model_path, effective.model_dump(mode="json")], sort_keys=True).encode())
+    out = (work_dir / STAGE / key.hexdigest()[:16]).resolve()
+    attempt = 1
+    while (out.parent / (out.name if attempt == 1 else f"{out.name}-{attempt}") / "train_result.json").exists():
+        attempt += 1
+    return out if attempt == 1 else out.parent / f"{out.name}-{attempt}"
+
+
 @task(name=STAGE, persist_result=True, retries=1, retry_delay_seconds=2, retry_condition_fn=_worth_a_retry,
       cache_policy=stage_cache(__name__))
 def rft_training(model_path: str, *, model: Any, data: Any, tools: Any, grader: dict[str, Any], rollout: Any,
@@ -129,8 +142,7 @@ def rft_training(model_path: str, *, model: Any, data: Any, tools: Any, grader: 
     sections = {"model": model, "data": data, "tools": tools, "grader": grader, "rollout": rollout,
                 "penalties": penalties, "training": training}
     with stage_run(ctx, STAGE, sections) as (client, run_id):
-        # The output folder is the run's: a Prefect retry of a killed run resumes it.
-        out = (Path(work_dir) / STAGE / ctx.parent_run_id).resolve()
+        out = _output_dir(Path(work_dir), effective, model_path)
         out.mkdir(parents=True, exist_ok=True)
         config_path = out / "config.yaml"
         config_path.write_text(yaml.safe_dump(effective.model_dump(mode="json"), sort_keys=False))

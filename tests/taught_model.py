@@ -70,7 +70,8 @@ def fit_tiny_model(
     extra_tokens: list[str] = TICKERS,
     number_weight: float = 1.0,
     epochs: int = 80,
-    max_minutes: float = 4.0,
+    batch_share: float = 2.0,
+    max_minutes: float = 8.0,
 ):
     """A tiny Qwen3 (2 layers, width 64) and a tokenizer trained on `texts`, fitted until it
     reproduces `conversations` (each with its tool schemas); returns (model, tokenizer,
@@ -84,7 +85,7 @@ def fit_tiny_model(
     )
     total = sum(len(ids) for ids, _ in examples)
     settings = BootstrapSettings(
-        train_tokens=total * epochs, tokens_per_batch=total * 2, learning_rate=1e-2, warmup_steps=5, seed=0,
+        train_tokens=total * epochs, tokens_per_batch=max(int(total * batch_share), 1), learning_rate=1e-2, warmup_steps=5, seed=0,
         max_minutes=max_minutes, copy_share=0.0,  # memorising a few scripts: no copy curriculum
     )
     stats = supervised_warm_start(model, examples, settings, pad_id=tokenizer.pad_token_id, log=lambda _: None)
@@ -103,12 +104,14 @@ def scripts(item: dict) -> list[list]:
     return [[listing, answer], [("cat", page), answer], [answer], ["Answer: 0"], [listing, "Answer: 0"]]
 
 
-def teach_model(items_files: list[Path], corpus_dir: Path, endpoints: list[ToolEndpoint], out: Path) -> Path:
+def teach_model(items_files: list[Path], corpus_dir: Path, endpoints: list[ToolEndpoint], out: Path, *,
+                epochs: int = 80, batch_share: float = 2.0) -> Path:
     """Teach a tiny Qwen3 the scripted answers of every item; save it to `out`."""
     items = [item for path in items_files for item in read_items(path)]
     conversations = [asyncio.run(conversation(item, turns, endpoints)) for item in items for turns in scripts(item)]
     texts = [json.dumps(c) for c in conversations] + [p.read_text() for p in sorted(corpus_dir.rglob("*.txt"))]
-    model, tokenizer, _ = fit_tiny_model([(c, TOOLS) for c in conversations], texts, number_weight=3.0)
+    model, tokenizer, _ = fit_tiny_model([(c, TOOLS) for c in conversations], texts, number_weight=3.0,
+                                         epochs=epochs, batch_share=batch_share)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

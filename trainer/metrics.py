@@ -15,6 +15,7 @@ the local file still holds every step.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -30,6 +31,34 @@ _MLFLOW_BATCH = 1000
 T = TypeVar("T")
 
 
+_PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_TRANSIENT_MLFLOW_CODES = {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED",
+                           "RESOURCE_EXHAUSTED", "ABORTED", "DEADLINE_EXCEEDED"}
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether `exc` is the tracking store being away or busy (worth a retry): a refused or
+    dropped connection, a timeout, a locked SQLite database, a 5xx from the server."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, _PERMANENT_OS_ERRORS) or getattr(exc, "errno", None) == errno.ENOSPC:
+        return False
+    if isinstance(exc, OSError | requests.exceptions.RequestException):
+        return True
+    try:
+        from sqlalchemy.exc import OperationalError
+    except ImportError:  # pragma: no cover - MLflow's SQL store brings it
+        OperationalError = ()  # noqa: N806
+    if isinstance(exc, OperationalError):  # "database is locked"
+        return True
+    if isinstance(exc, MlflowException):
+        text = str(exc).lower()
+        return exc.error_code in _TRANSIENT_MLFLOW_CODES or any(
+            marker in text for marker in ("connection", "max retries", "timed out", "database is locked"))
+    return False
+
+
 def with_retries(call: Callable[[], T], *, what: str, timeout_s: float, first_delay_s: float = 0.5) -> T:
     """`call()`, retried with exponential backoff (capped at 15 s) while it raises, for up
     to `timeout_s`; then an InfraError naming `what` and the last error."""
@@ -39,6 +68,8 @@ def with_retries(call: Callable[[], T], *, what: str, timeout_s: float, first_de
         try:
             return call()
         except Exception as exc:  # MLflow raises requests', urllib3's and its own errors
+            if not transient(exc):  # a bug or a refusal: retrying cannot help
+                raise
             if time.monotonic() + delay > deadline:
                 raise InfraError(
                     f"MLflow: {what} failed for {timeout_s:.0f} s (last error: {type(exc).__name__}: "

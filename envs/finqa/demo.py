@@ -73,7 +73,7 @@ def tool_server(config: Any, corpus_dir: Path, *, api_key: str | None = None) ->
 def run_demo(config: Any, refresh: list[str], *, log: Any = print) -> dict[str, Any]:
     """Check the data and the model, serve the tools, run the pipeline."""
     from envs.finqa.demo_model import verify_model_pin
-    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
+    from flows.pipeline import agent_rft_pipeline, outcome_of, pipeline_parameters
 
     started = time.perf_counter()
     if Path(config.model.base_model).resolve() == Path(__file__).resolve().parent / "model":
@@ -84,6 +84,6 @@ def run_demo(config: Any, refresh: list[str], *, log: Any = print) -> dict[str, 
     with tool_server(config, corpus) as base_url:
         log(f"FinQA tool server: {base_url}")
         state = agent_rft_pipeline(**pipeline_parameters(config, refresh), return_state=True)
-    outcome = state.result()
+    outcome = outcome_of(state)
     outcome["wall_s"] = time.perf_counter() - started
     return outcome

@@ -65,7 +65,7 @@ def test_first_run_records_six_stages_and_promotes(first_run):
         assert tags["data_md5"] == yaml.safe_load(Path(config.data.dvc_file).read_text())["outs"][0]["md5"].removesuffix(".dir")
         assert tags["git_commit"] and tags["config_hash"] == config.section_hash()
         assert tags["prefect_flow_run_id"] and tags["prefect_flow_run_url"]
-        assert run.data.params["training.learning_rate"] == "1e-12"
+        assert run.data.params["training.learning_rate"] == "0.003"
         assert run.info.status == "FINISHED"
     baseline = stages["baseline"].data.metrics
     assert baseline["baseline/rollouts"] == 4 and 0 <= baseline["baseline/score_mean"] <= 1
