@@ -106,6 +106,15 @@ def _prefect_run() -> tuple[str, str]:
     return str(flow_run.id or ""), str(flow_run.ui_url or "")
 
 
+def _artifact_location(tracking_uri: str) -> str | None:
+    """Artifacts of a SQLite store live next to its database (`mlartifacts/`), wherever
+    the pipeline was started from; MLflow's default is `./mlruns` of the current folder."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None  # a tracking server decides (its --default-artifact-root)
+    database = Path(tracking_uri.removeprefix("sqlite:///"))
+    return (database.resolve().parent / "mlartifacts").as_uri()
+
+
 def open_pipeline_run(config: Any, *, data_md5: str, git_commit: str) -> RunContext:
     """Create the parent run (experiment on first use), tagged and with the config as params."""
     tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
@@ -113,7 +122,8 @@ def open_pipeline_run(config: Any, *, data_md5: str, git_commit: str) -> RunCont
     client = mlflow_client(tracking_uri)
     experiment = client.get_experiment_by_name(config.mlflow.experiment)
     experiment_id = (
-        experiment.experiment_id if experiment else client.create_experiment(config.mlflow.experiment)
+        experiment.experiment_id if experiment
+        else client.create_experiment(config.mlflow.experiment, artifact_location=_artifact_location(tracking_uri))
     )
     flow_run_id, flow_run_url = _prefect_run()
     partial = RunContext(

@@ -64,13 +64,14 @@ def endpoints(world: Path):
 
 @pytest.fixture(scope="session")
 def taught_model(world: Path, endpoints) -> Path:
-    from tests.taught_model import teach_model
+    from tests.taught_model import direct_first_scripts, teach_model
 
     data = world / "data"
     files = [data / f"{split}.jsonl" for split in ("train", "validation", "test")]
     # A quarter of the 50 scripts a step, 200 passes (about a minute on 2 cores): 80 passes
     # of whole-data steps left the tool-call syntax garbled (validation score 0, not ~0.6).
-    return teach_model(files, data / "corpus", endpoints, world / "model", epochs=200, batch_share=0.25)
+    return teach_model(files, data / "corpus", endpoints, world / "model", epochs=200, batch_share=0.25,
+                       ways=direct_first_scripts)
 
 
 @pytest.fixture(scope="session")

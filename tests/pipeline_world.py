@@ -1,7 +1,7 @@
 """The micro pipeline world shared by the pipeline and reliability tests: two train, two
 validation and six test items with their corpus pages under a DVC pin, and the micro config
 around a tiny taught model (tests/taught_model.py). The config keeps the default promotion
-gates: its training (six GRPO steps, 0.05 a tool call) makes a candidate clearly better
+gates: its training (six GRPO steps, 0.4 a tool call) makes a candidate clearly better
 than the base, which the gates promote on the test items. The fixtures that build the
 world live in `tests/conftest.py`.
 """
@@ -28,7 +28,7 @@ def micro(world: Path, endpoints, model: Path, **overrides):
         "grader": GRADER,
         "rollout": {"system_prompt": SYSTEM, "max_turns": 3, "max_new_tokens_per_turn": 48,
                     "max_total_tokens": 768, "max_concurrent_rollouts": 1},
-        "penalties": {"per_tool_call": 0.05, "correct_only": True},
+        "penalties": {"per_tool_call": 0.4, "correct_only": True},
         "baseline": {"k": 2, "min_nonzero_share": 0.0, "min_headroom": 0.0},
         "prompt_optimization": {"k": 1, "target_score": 1.0,
                                 "variants": [{"name": "terse", "system_prompt": "Reply with one number."}]},

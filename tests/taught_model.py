@@ -104,11 +104,22 @@ def scripts(item: dict) -> list[list]:
     return [[listing, answer], [("cat", page), answer], [answer], ["Answer: 0"], [listing, "Answer: 0"]]
 
 
+def direct_first_scripts(item: dict) -> list[list]:
+    """Five ways to answer where the cheapest is the only one ever right: right at once
+    (twice), "0" at once, and "0" after a listing (twice). The base scores ~0.4 with ~0.4
+    calls a rollout; RL learns to answer at once and right (a higher score with fewer calls:
+    the clearly better candidate that the pipeline tests' default gates promote)."""
+    page = item["gold_pages"][0]
+    answer = f"Answer: {item['reference_answer']}"
+    listing = ("list", str(Path(page).parent))
+    return [[answer], [answer], ["Answer: 0"], [listing, "Answer: 0"], [listing, "Answer: 0"]]
+
+
 def teach_model(items_files: list[Path], corpus_dir: Path, endpoints: list[ToolEndpoint], out: Path, *,
-                epochs: int = 80, batch_share: float = 2.0) -> Path:
+                epochs: int = 80, batch_share: float = 2.0, ways=scripts) -> Path:
     """Teach a tiny Qwen3 the scripted answers of every item; save it to `out`."""
     items = [item for path in items_files for item in read_items(path)]
-    conversations = [asyncio.run(conversation(item, turns, endpoints)) for item in items for turns in scripts(item)]
+    conversations = [asyncio.run(conversation(item, turns, endpoints)) for item in items for turns in ways(item)]
     texts = [json.dumps(c) for c in conversations] + [p.read_text() for p in sorted(corpus_dir.rglob("*.txt"))]
     model, tokenizer, _ = fit_tiny_model([(c, TOOLS) for c in conversations], texts, number_weight=3.0,
                                          epochs=epochs, batch_share=batch_share)
