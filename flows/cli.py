@@ -79,7 +79,8 @@ def print_outcome(outcome: dict[str, Any], config: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # Lines are never wrapped: a URI or a command must stay one piece to copy (and to grep).
+    console = Console(soft_wrap=True)
     before_after = outcome.get("before_after")
     if before_after:
         table = Table(title="before / after (same test items and seeds)")
@@ -433,13 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # click's usage errors
-        import click
+    except Exception as exc:  # click's usage errors (typer vendors its own click)
+        from typer._click import exceptions as typer_click
 
-        if isinstance(exc, click.ClickException):
+        if isinstance(exc, typer_click.ClickException):
             exc.show()
             return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):  # Ctrl-C inside click
+        if isinstance(exc, typer_click.Abort):  # Ctrl-C inside click
             print("interrupted", file=sys.stderr)
             return 130
         raise

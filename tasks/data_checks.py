@@ -109,8 +109,11 @@ def _row_problems(leaf: dict[str, Any], where: str, row: dict[str, Any]) -> list
                 lookup_variable(variable, empty, row)
             except GraderError as exc:
                 problems.append(f"{where}: {exc}")
-    if not problems and leaf["type"] in REFERENCE_PARSING_GRADERS:
-        # The reference graded as the answer: it must parse (and score full marks).
+    if (not problems and leaf["type"] in REFERENCE_PARSING_GRADERS
+            and str(leaf.get("input", "")).replace(" ", "") == "{{sample.output_text}}"):
+        # The reference graded as the answer: it must parse (and score full marks). Only
+        # where the answer is the whole output: a part of it (`sample.output_json.amount`)
+        # cannot be made from the reference alone.
         reference = render_template(leaf["reference"], empty, row)
         errors = grade(leaf, sample_from_text(reference), row).errors
         problems += [f"{where}: {kind}: {message}" for kind, message in errors.items()]

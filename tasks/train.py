@@ -138,7 +138,8 @@ def rft_training(model_path: str, *, model: Any, data: Any, tools: Any, grader: 
     items = split_items(data, "validation", 1)
     rollout, tools = apply_variant(rollout, tools, variant, items)
     effective = PipelineConfig(name=STAGE, work_dir=work_dir, model=model, data=data, tools=tools, grader=grader,
-                               rollout=rollout, penalties=penalties, training=training, mlflow=mlflow)
+                               rollout=rollout, penalties=penalties, training=training,
+                               mlflow=mlflow.model_copy(update={"tracking_uri": ctx.tracking_uri}))
     sections = {"model": model, "data": data, "tools": tools, "grader": grader, "rollout": rollout,
                 "penalties": penalties, "training": training}
     with stage_run(ctx, STAGE, sections) as (client, run_id):

@@ -1,7 +1,7 @@
 """The micro pipeline world shared by the pipeline and reliability tests: two train, two
 validation and six test items with their corpus pages under a DVC pin, and the micro config
 around a tiny taught model (tests/taught_model.py). The config keeps the default promotion
-gates: its training (six GRPO steps, 0.4 a tool call) makes a candidate clearly better
+gates: its training (ten GRPO steps, 0.4 a tool call) makes a candidate clearly better
 than the base, which the gates promote on the test items. The fixtures that build the
 world live in `tests/conftest.py`.
 """
@@ -32,9 +32,9 @@ def micro(world: Path, endpoints, model: Path, **overrides):
         "baseline": {"k": 2, "min_nonzero_share": 0.0, "min_headroom": 0.0},
         "prompt_optimization": {"k": 1, "target_score": 1.0,
                                 "variants": [{"name": "terse", "system_prompt": "Reply with one number."}]},
-        "training": {"batch_size": 2, "n_epochs": 6, "compute_multiplier": 0.5, "max_steps": 6, "learning_rate": 3e-3,
-                     "eval_interval": 3, "eval_samples": 2, "checkpoint_interval": 3},
-        "promotion": {"registered_model": "micro-agent", "k": 8, "group_by": "category"},
+        "training": {"batch_size": 2, "n_epochs": 10, "compute_multiplier": 0.5, "max_steps": 10, "learning_rate": 5e-3,
+                     "eval_interval": 5, "eval_samples": 2, "checkpoint_interval": 5},
+        "promotion": {"registered_model": "micro-agent", "k": 16, "group_by": "category"},
         "mlflow": {"tracking_uri": f"sqlite:///{world / 'mlflow.db'}", "experiment": "micro"},
     }
     return config_from_dict(merge_overrides(raw, overrides))

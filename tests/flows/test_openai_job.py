@@ -30,8 +30,8 @@ MULTI_GRADER = {
 
 
 def job_body(world: Path, endpoints, model: str | None = None) -> dict:
-    # The micro preset's training (tests/pipeline_world.py) in OpenAI's names: six steps of
-    # two items x four rollouts at 300 x 1e-5, enough for a clearly better candidate.
+    # The micro preset's training (tests/pipeline_world.py) in OpenAI's names: ten steps of
+    # two items x four rollouts at 500 x 1e-5, enough for a clearly better candidate.
     return {
         "model": model,
         "training_file": str(world / "data" / "train.jsonl"),
@@ -40,8 +40,8 @@ def job_body(world: Path, endpoints, model: str | None = None) -> dict:
         "seed": 7,
         "method": {"type": "reinforcement", "reinforcement": {
             "grader": json.loads(json.dumps(MULTI_GRADER)),  # a copy: tests mutate it
-            "hyperparameters": {"n_epochs": 6, "batch_size": 2, "learning_rate_multiplier": 300,
-                                "compute_multiplier": 0.5, "eval_interval": 3, "eval_samples": 2,
+            "hyperparameters": {"n_epochs": 10, "batch_size": 2, "learning_rate_multiplier": 500,
+                                "compute_multiplier": 0.5, "eval_interval": 5, "eval_samples": 2,
                                 "reasoning_effort": "low"},
             "tools": [{"name": e.name, "server_url": e.server_url, "headers": {"Authorization": "Bearer ${JOB_TOKEN}"}}
                       for e in endpoints],
@@ -55,7 +55,7 @@ def test_job_fields_map_onto_the_config(world, endpoints):
     assert config.model.base_model == "some/model"
     assert config.data.train_file.endswith("train.jsonl") and config.data.dvc_file is None
     assert config.grader["type"] == "multi"
-    assert config.training.n_epochs == 6 and config.training.learning_rate_multiplier == 300
+    assert config.training.n_epochs == 10 and config.training.learning_rate_multiplier == 500
     assert config.training.seed == 7 and config.rollout.max_episode_steps == 4
     assert [e.name for e in config.tools.endpoints] == [e.name for e in endpoints]
     assert config.tools.schemas is None  # the rows' own `tools`, as OpenAI reads them
@@ -130,6 +130,6 @@ def test_openai_job_runs_as_the_pipeline(harness, world, endpoints, taught_model
     version = client.get_model_version_by_alias("openai-job", "champion")
     parent = client.get_run(version.tags["pipeline_run_id"])
     assert parent.data.params["grader.type"] == "multi"
-    assert parent.data.params["training.learning_rate_multiplier"] == "300.0"
+    assert parent.data.params["training.learning_rate_multiplier"] == "500.0"
     assert parent.data.params["data.test_file"] == str(world / "data" / "test.jsonl")
     assert "job-secret-token" not in json.dumps(parent.data.params)

@@ -1,7 +1,7 @@
 """The pipeline end to end on a micro preset, under Prefect's test harness (a real API
 server) with MLflow on a temporary SQLite store and the real tool server on loopback.
 
-A tiny taught model, six GRPO steps in an `accelerate launch`ed subprocess, the default
+A tiny taught model, ten GRPO steps in an `accelerate launch`ed subprocess, the default
 promotion gates. The first run trains a candidate clearly better than the base and
 promotes it on the test items; only the regression stage reads them; the unchanged second
 run is served from cache, read from the tasks' Prefect states; a run whose training
@@ -66,13 +66,13 @@ def test_first_run_records_six_stages_and_promotes(first_run):
         assert tags["git_commit"] and tags["config_hash"] == config.section_hash()
         assert tags["prefect_flow_run_id"] and tags["prefect_flow_run_url"]
         assert run.info.status == "FINISHED"
-    assert parent.data.params["training.learning_rate"] == "0.003"
-    assert stages["rft_training"].data.params["training.learning_rate"] == "0.003"
+    assert parent.data.params["training.learning_rate"] == "0.005"
+    assert stages["rft_training"].data.params["training.learning_rate"] == "0.005"
     baseline = stages["baseline"].data.metrics
     assert baseline["baseline/rollouts"] == 4 and 0 <= baseline["baseline/score_mean"] <= 1
     assert baseline["baseline/best_of_k_mean"] >= baseline["baseline/score_mean"]
     training = client.get_metric_history(stages["rft_training"].info.run_id, "train/reward_mean")
-    assert sorted(m.step for m in training) == [1, 2, 3, 4, 5, 6]
+    assert sorted(m.step for m in training) == list(range(1, 11))
     regression = stages["regression_eval"].data.metrics
     assert regression["regression/gain_low"] > 0 and regression["regression/gates_passed"] == 1.0
     assert outcome["score_gain"]["gain"] > 0.1
@@ -91,7 +91,7 @@ def test_first_run_records_six_stages_and_promotes(first_run):
                             ("regression_eval", "baseline/rollouts.jsonl")):
         ids = {row["item_id"] for row in read_jsonl(client.download_artifacts(stages[stage].info.run_id, artifact))}
         assert ids <= (splits["test"] if stage == "regression_eval" else splits["validation"]), (stage, ids)
-    evaluated = {row["item_id"] for path in ("rollouts/eval_step_0.jsonl", "rollouts/eval_step_6.jsonl")
+    evaluated = {row["item_id"] for path in ("rollouts/eval_step_0.jsonl", "rollouts/eval_step_10.jsonl")
                  for row in read_jsonl(client.download_artifacts(stages["rft_training"].info.run_id, path))}
     assert evaluated <= splits["validation"]
     traces = mlflow.search_traces(locations=[parent.info.experiment_id], return_type="list",

@@ -226,7 +226,7 @@ def test_infra_failures_are_left_out_of_the_loss_and_counted(world, endpoints, t
     trainer = GRPOTrainer(config, model_path=str(taught_model), output_dir=world / "infra")
     trainer.setup()
     try:
-        records = trainer._rollouts(read_items(world / "train.jsonl"), 12, seed=11, step=0)
+        records = trainer._rollouts(read_items(world / "train.jsonl"), 12, seed=11, version=0)
         trainer.train()
     finally:
         trainer.cleanup()
