@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, typer_click.ClickException):
             exc.show()
             return exc.exit_code
-        if isinstance(exc, typer_click.Abort):  # Ctrl-C inside click
+        if isinstance(exc, typer.Abort):  # Ctrl-C inside click
             print("interrupted", file=sys.stderr)
             return 130
         raise

@@ -16,6 +16,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -82,3 +83,26 @@ def harness(world: Path):
     with prefect_test_harness(server_startup_timeout=120):
         with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: world / "prefect-results"}):
             yield
+
+
+def _console_handlers_on_live_streams() -> None:
+    import logging
+    import sys
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, PrefectConsoleHandler) and getattr(handler.stream, "closed", False):
+                handler.stream = handler.console.file = sys.stderr
+
+
+@pytest.fixture(autouse=True)
+def _prefect_logs_outlive_capsys():
+    """Prefect binds its console log handler to the sys.stderr of the moment its logging
+    is (re)configured; configured inside a test that captures output (capsys), it would
+    write to that test's closed stream afterwards (ValueError, then a recursion through
+    log_prints). Each test starts and ends with the handlers on a live stream."""
+    _console_handlers_on_live_streams()
+    yield
+    _console_handlers_on_live_streams()
