@@ -66,15 +66,6 @@ def _run_pipeline(config: Any, refresh: list[str]) -> dict[str, Any]:
     return outcome_of(agent_rft_pipeline(**pipeline_parameters(config, refresh), return_state=True))
 
 
-def _result(state: Any, what: str) -> Any:
-    try:
-        return state.result()
-    except AgentRFTError:
-        raise
-    except Exception as exc:
-        raise AgentRFTError(f"{what} failed: {exc}") from None
-
-
 def print_outcome(outcome: dict[str, Any], config: Any) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -211,13 +202,13 @@ def promote(name: Annotated[str, typer.Option(help="Registered model name.")],
             action: Annotated[str, typer.Option(help="promote or rollback.")] = "promote",
             tracking_uri: Annotated[str, typer.Option(help="MLflow store.")] = "sqlite:///mlflow.db") -> None:
     """Promote a registered version to champion, or roll champion back (a Prefect flow)."""
-    from flows.pipeline import promote_model
+    from flows.pipeline import outcome_of, promote_model
 
     if action not in ("promote", "rollback"):
         raise AgentRFTError(f"--action must be promote or rollback, got {action!r}")
     state = promote_model(name=name, version_or_alias=version, action=action, tracking_uri=tracking_uri,
                           return_state=True)
-    print(json.dumps(_result(state, "promote-model"), indent=2))
+    print(json.dumps(outcome_of(state, "promote-model"), indent=2))
 
 
 @app.command()

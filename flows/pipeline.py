@@ -162,9 +162,9 @@ def agent_rft_pipeline(config: PipelineConfig, refresh: list[Stage] | None = Non
         return Failed(name="Stopped", message=str(exc))
 
 
-def outcome_of(state: Any) -> dict[str, Any]:
-    """The outcome of a finished pipeline run's `state`; a gate's stop raises PipelineStopped,
-    a stage's user error its AgentRFTError, anything else AgentRFTError with its text."""
+def outcome_of(state: Any, what: str = "the pipeline") -> Any:
+    """The result of a finished flow run's `state`: a gate's stop raises PipelineStopped, a
+    stage's user error its AgentRFTError, anything else AgentRFTError naming `what`."""
     if state.is_failed() and state.name == "Stopped":
         raise PipelineStopped(state.message)
     try:
@@ -172,7 +172,7 @@ def outcome_of(state: Any) -> dict[str, Any]:
     except AgentRFTError:
         raise
     except Exception as exc:
-        raise AgentRFTError(f"the pipeline failed: {exc}") from None
+        raise AgentRFTError(f"{what} failed: {exc}") from None
 
 
 def pipeline_parameters(config: PipelineConfig, refresh: list[str] | None = None) -> dict[str, Any]:
