@@ -55,18 +55,13 @@ def training_command(config_path: Path, config: PipelineConfig, *, model: str, o
 
 
 def _pump(stream: Any, sink: deque, on_line: Any) -> None:
-    """Read a child's output; tqdm's carriage returns count as line ends."""
-    buffer = ""
-    for chunk in iter(lambda: stream.read(256), ""):
-        buffer += chunk
-        *lines, buffer = buffer.replace("\r", "\n").split("\n")
-        for line in lines:
+    """Read a child's output line by line as it comes (a text pipe's `read(n)` waits for n
+    characters, which held progress lines back); tqdm's carriage returns end lines too."""
+    for raw in iter(stream.readline, ""):
+        for line in raw.replace("\r", "\n").split("\n"):
             if line.strip():
                 sink.append(line)
                 on_line(line)
-    if buffer.strip():
-        sink.append(buffer)
-        on_line(buffer)
 
 
 def run_training(command: list[str], env: dict[str, str], log_path: Path, logger: Any) -> None:
