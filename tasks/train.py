@@ -14,6 +14,7 @@ their step; the best one is the candidate.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -116,11 +117,9 @@ def _output_dir(work_dir: Path, effective: PipelineConfig, model_path: str) -> P
     retry, or a re-run of a killed pipeline, finds its checkpoints and resumes. A finished
     training there (a refreshed stage) is kept and the new one starts in a fresh folder."""
     key = hashlib.sha256(json.dumps([model_path, effective.model_dump(mode="json")], sort_keys=True).encode())
-    out = (work_dir / STAGE / key.hexdigest()[:16]).resolve()
-    attempt = 1
-    while (out.parent / (out.name if attempt == 1 else f"{out.name}-{attempt}") / "train_result.json").exists():
-        attempt += 1
-    return out if attempt == 1 else out.parent / f"{out.name}-{attempt}"
+    name = key.hexdigest()[:16]
+    folders = (work_dir.resolve() / STAGE / (name if n == 1 else f"{name}-{n}") for n in itertools.count(1))
+    return next(folder for folder in folders if not (folder / "train_result.json").exists())
 
 
 @task(name=STAGE, persist_result=True, retries=1, retry_delay_seconds=2, retry_condition_fn=_worth_a_retry,
