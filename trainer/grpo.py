@@ -263,8 +263,10 @@ class GRPOTrainer:
 
         # float32 master weights unless the config names a dtype: mixed precision casts.
         dtype = "float32" if self.config.model.dtype == "auto" else self.config.model.dtype
-        local = local_model_path(self.model_path,
-                                 tracking_uri=self.config.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+        # The run and `models:/` URIs live in the config's store (the pipeline writes the
+        # resolved URI into the config it hands over); MLFLOW_TRACKING_URI only when it names none.
+        tracking_uri = self.config.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        local = local_model_path(self.model_path, tracking_uri=tracking_uri)
         policy = load_policy(local, device=str(acc.device), dtype=dtype)
         self.tokenizer = policy.tokenizer
         self.stop_token_ids = policy.stop_token_ids
@@ -310,9 +312,6 @@ class GRPOTrainer:
         self.sink = None
         if self.is_main:
             self.rollouts_dir.mkdir(parents=True, exist_ok=True)
-            # The run lives in the config's store (the pipeline writes the resolved URI into the
-            # config it hands over); MLFLOW_TRACKING_URI only when the config names none.
-            tracking_uri = self.config.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
             self.sink = MetricsSink(
                 self.output_dir / "metrics.jsonl", run_id=self.mlflow_run_id, tracking_uri=tracking_uri,
                 unavailable_timeout_s=self.config.mlflow.unavailable_timeout_s,

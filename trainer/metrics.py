@@ -41,16 +41,11 @@ def transient(exc: BaseException) -> bool:
     dropped connection, a timeout, a locked SQLite database, a 5xx from the server."""
     import requests
     from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import OperationalError  # MLflow's SQL store
 
     if isinstance(exc, _PERMANENT_OS_ERRORS) or getattr(exc, "errno", None) == errno.ENOSPC:
         return False
-    if isinstance(exc, OSError | requests.exceptions.RequestException):
-        return True
-    try:
-        from sqlalchemy.exc import OperationalError
-    except ImportError:  # pragma: no cover - MLflow's SQL store brings it
-        OperationalError = ()  # noqa: N806
-    if isinstance(exc, OperationalError):  # "database is locked"
+    if isinstance(exc, OSError | requests.exceptions.RequestException | OperationalError):  # incl. "database is locked"
         return True
     if isinstance(exc, MlflowException):
         text = str(exc).lower()

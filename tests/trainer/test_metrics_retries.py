@@ -1,0 +1,75 @@
+"""MLflow calls are retried only while the store is away or busy: a bug or a refusal
+raises at once (an AttributeError inside MLflow's log_model was retried for 300 s per
+checkpoint before), and a store that stays away ends in an InfraError naming the limit."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import requests
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
+from sqlalchemy.exc import OperationalError
+
+from trainer.errors import InfraError
+from trainer.metrics import transient, with_retries
+
+
+@pytest.mark.parametrize("exc", [
+    ConnectionRefusedError(111, "refused"),
+    TimeoutError("timed out"),
+    requests.exceptions.ConnectionError("dropped"),
+    OperationalError("UPDATE runs", {}, Exception("database is locked")),
+    MlflowException("API request to http://127.0.0.1:5000 failed with exception Max retries exceeded"),
+    MlflowException("server error", error_code=TEMPORARILY_UNAVAILABLE),
+])
+def test_an_away_or_busy_store_is_transient(exc: BaseException) -> None:
+    assert transient(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    AttributeError("'str' object has no attribute '__name__'"),
+    FileNotFoundError("model.safetensors"),
+    OSError(errno.ENOSPC, "No space left on device"),
+    MlflowException("Run with id=abc not found", error_code=RESOURCE_DOES_NOT_EXIST),
+    ValueError("bad metric"),
+])
+def test_bugs_and_refusals_are_not(exc: BaseException) -> None:
+    assert not transient(exc)
+
+
+def test_a_bug_raises_at_once_without_retrying() -> None:
+    calls = []
+
+    def broken() -> None:
+        calls.append(1)
+        raise AttributeError("no __name__")
+
+    with pytest.raises(AttributeError):
+        with_retries(broken, what="logging a model", timeout_s=60)
+    assert calls == [1]
+
+
+def test_a_store_away_is_retried_then_named() -> None:
+    calls = []
+
+    def away() -> None:
+        calls.append(1)
+        raise ConnectionRefusedError(111, "refused")
+
+    with pytest.raises(InfraError, match=r"MLflow: logging metrics failed for 0 s .*mlflow.unavailable_timeout_s"):
+        with_retries(away, what="logging metrics", timeout_s=0.3, first_delay_s=0.05)
+    assert len(calls) >= 2
+
+
+def test_a_transient_failure_then_success_returns_the_value() -> None:
+    answers = iter([ConnectionRefusedError(111, "refused"), "ok"])
+
+    def flaky() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert with_retries(flaky, what="reading the run", timeout_s=10, first_delay_s=0.01) == "ok"
