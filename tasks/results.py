@@ -55,7 +55,8 @@ class PromptResult(BaseModel):
 
 
 class Candidate(BaseModel):
-    """A trained model logged to MLflow: its step, validation score, local path and URIs."""
+    """A trained model logged to MLflow: its step, validation figure (`training.metric_for_best_model`),
+    local path and URIs."""
 
     step: int
     score: float | None

@@ -6,9 +6,10 @@ stage runs one CPU process here and DDP/FSDP/DeepSpeed on GPUs. The stage hands 
 MLflow run id (the trainer logs `train/...` and `eval/...` to it directly), forwards its
 progress to the Prefect log, and on failure fails with the tail of its stderr. The output
 folder is named by what it trains and the trainer always starts with `--resume`: a Prefect
-retry, or the re-run of a killed pipeline, continues from the last checkpoint. The best checkpoints (by
-validation score) are logged as MLflow models, straight from their directories, with
-their step; the best one is the candidate.
+retry, or the re-run of a killed pipeline, continues from the last checkpoint. The best
+checkpoints (by validation reward or score, `training.metric_for_best_model`) are logged as
+MLflow models, straight from their directories, with their step; the best one is the
+candidate.
 """
 
 from __future__ import annotations
@@ -166,8 +167,8 @@ def rft_training(model_path: str, *, model: Any, data: Any, tools: Any, grader: 
         final = {k: float(v) for k, v in result["metrics"].items() if isinstance(v, int | float)}
         publish_summary(
             ctx, STAGE, run_id,
-            f"# RFT training\n\n{result['steps']} steps. Candidate: step {candidate.step} (validation score "
-            f"{candidate.score}), `{candidate.model_uri}`.\n\n| metric | last step |\n| --- | ---: |\n"
+            f"# RFT training\n\n{result['steps']} steps. Candidate: step {candidate.step} (validation "
+            f"{training.metric_for_best_model} {candidate.score}), `{candidate.model_uri}`.\n\n| metric | last step |\n| --- | ---: |\n"
             + "".join(f"| {k} | {v:.4g} |\n" for k, v in final.items() if k.startswith(("train/", "eval/"))),
         )
     return TrainingResult(run_id=run_id, steps=result["steps"], candidate=candidate, checkpoints=models,

@@ -318,7 +318,10 @@ class TrainingConfig(Section):
         0, description="1: generate step t+1's rollouts while step t trains (vLLM backend), one step off-policy."
     )
     checkpoint_interval: int = Field(10, ge=1, description="Steps between checkpoints.")
-    keep_best_checkpoints: int = Field(3, ge=1, description="Best checkpoints kept by validation score.")
+    keep_best_checkpoints: int = Field(3, ge=1, description="Best checkpoints kept, ranked by metric_for_best_model.")
+    metric_for_best_model: Literal["reward", "score"] = Field(
+        "reward", description="What ranks checkpoints on the validation split: reward (the grader's score less the "
+        "configured penalties, i.e. the objective trained) or score (the grader's alone).")
     output_dir: str = Field("runs/train", description="Checkpoints, metrics and rollouts.")
 
     @field_validator("scale_rewards", mode="before")

@@ -32,7 +32,8 @@ One step of the algorithm:
 Evaluation runs before the first step, every `eval_interval` steps and after the last:
 one sample per validation item (`eval_samples` items) at the rollout temperature, with the
 same seed every time, so two evaluations differ by the model and not by the dice. The
-`keep_best_checkpoints` best models by validation score are saved as model directories
+`keep_best_checkpoints` best models by validation reward (`metric_for_best_model`: the grader's
+score less the penalties, or the score alone) are saved as model directories
 (`best/step_N/`); the last one as `final/`. The test split is never read here.
 
 Distribution: `Accelerator` owns the devices, mixed precision (bf16 on a GPU by default,
@@ -182,7 +183,7 @@ def fill_batch(
 @dataclass
 class TrainResult:
     model_dir: Path | None  # the final model (None when the run stopped before its end)
-    best_checkpoints: list[tuple[int, float, Path]]  # (step, validation score, model dir), best first
+    best_checkpoints: list[tuple[int, float, Path]]  # (step, validation metric_for_best_model, model dir), best first
     metrics: dict[str, float]  # the last step's metrics
     steps: int  # steps done, in this and earlier sessions
 
@@ -506,9 +507,10 @@ class GRPOTrainer:
             path.write_text("".join(json.dumps(r.to_json()) + "\n" for r in everything))
             self.sink.log_traces(everything[: self.config.mlflow.traces_per_evaluation], step=step, kind="eval")
         score = metrics["eval/score_mean"]
-        if step > 0 and self.best.admits(score):
+        rank_by = metrics[f"eval/{self.config.training.metric_for_best_model}_mean"]
+        if step > 0 and self.best.admits(rank_by):
             best = BestCheckpoints(self.best.root, self.best.keep, self.best.to_json())
-            path, evicted = best.add(step, score)
+            path, evicted = best.add(step, rank_by)
             save_model(acc, self.model, self.tokenizer, path)
             self.best = best  # recorded only once its model is on disk (a full disk raises before)
             if self.is_main:

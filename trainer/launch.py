@@ -89,4 +89,4 @@ def print_result(result: Any) -> None:
     console.print(table)
     console.print(f"final model: {result.model_dir}")
     for step, score, path in result.best_checkpoints:
-        console.print(f"best: step {step}, validation score {score:.4f}: {path}")
+        console.print(f"best: step {step}, validation metric_for_best_model {score:.4f}: {path}")

@@ -19,9 +19,12 @@ from envs.finqa.calculator import evaluate
 from envs.finqa.faults import Fault, FaultConfig, FaultInjector
 from envs.finqa.search import (
     COLUMN_YEAR_BOOST,
+    DEFAULT_MODEL,
     PATH_WORD_BOOST,
     ROW_LABEL_BOOST,
+    QueryEncoder,
     SearchIndex,
+    encode,
     table_keys,
 )
 from envs.finqa.server import TraceStore, create_app, serve_in_thread
@@ -147,6 +150,25 @@ def test_concurrent_searches_match_sequential_ones(index):
     for a, b in zip(alone, together, strict=True):
         assert [hit.path for hit in a] == [hit.path for hit in b]
         assert [hit.score for hit in a] == pytest.approx([hit.score for hit in b], abs=1e-4)
+
+
+def test_query_vectors_are_cached_up_to_the_bound(monkeypatch):
+    queries = QueryEncoder(DEFAULT_MODEL, 64, cache_size=2)
+    encoded: list[str] = []
+
+    def counting(texts, **kwargs):
+        encoded.extend(texts)
+        return encode(texts, **kwargs)
+
+    monkeypatch.setattr("envs.finqa.search.encode", counting)
+    first = queries.encode("net revenue 2021")
+    again = queries.encode("net revenue 2021")
+    assert encoded == ["net revenue 2021"] and again is first
+    assert np.allclose(first, encode(["net revenue 2021"], max_seq_length=64)[0], atol=1e-5)
+    queries.encode("goodwill")
+    queries.encode("dividends")  # a third distinct query pushes out the least recently used
+    queries.encode("net revenue 2021")
+    assert encoded == ["net revenue 2021", "goodwill", "dividends", "net revenue 2021"]
 
 
 def test_call_route_dispatches_on_the_body_name(client, base_url):
