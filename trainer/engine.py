@@ -586,22 +586,34 @@ class TransformersBackend(GenerationBackend):
                 "the generation engine needs the model in eval mode: call model.eval()"
             )
         width = max(len(c) for c in chunks)
-        starts = torch.tensor([s.length for s in rows])
-        lengths = torch.tensor([len(c) for c in chunks])
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, chunk in enumerate(chunks):
+        slots = torch.tensor([s.slot for s in rows])
+        first = int(slots[0])
+        span = int(slots[-1]) - first + 1  # rows come sorted by slot
+        consecutive = span == len(rows)
+        # A decode step whose rows leave gaps (sequences waiting on a tool, or prefilling) runs
+        # over every slot of the span instead of gathering the rows' keys and values: a gap row
+        # is one pad token that reads key 0 and writes nothing, far cheaper than copying
+        # [rows, kv_len] keys and values in every layer at every step.
+        fill = width == 1 and not consecutive and span <= 2 * len(rows)
+        kept = (slots - first) if fill else torch.arange(len(rows))  # batch row of each sequence
+        n_batch = span if fill else len(rows)
+        starts = torch.zeros(n_batch, dtype=torch.long)
+        lengths = torch.zeros(n_batch, dtype=torch.long)
+        starts[kept] = torch.tensor([s.length for s in rows])
+        lengths[kept] = torch.tensor([len(c) for c in chunks])
+        input_ids = torch.zeros(n_batch, width, dtype=torch.long)
+        for b, chunk in zip(kept.tolist(), chunks, strict=True):
             input_ids[b, width - len(chunk) :] = torch.tensor(chunk)
         col = torch.arange(width)
         pad = (width - lengths)[:, None]
-        real = col[None, :] >= pad
+        real = col[None, :] >= pad  # a gap row has no real column: nothing of it is written
         # Padding columns take the row's first position: they attend to real keys only and are
         # never written to the cache, so they change nothing.
         positions = starts[:, None] + (col[None, :] - pad).clamp(min=0)
         write_row, write_col = real.nonzero(as_tuple=True)
-        slots = torch.tensor([s.slot for s in rows])
+        if fill:
+            slots, consecutive = torch.arange(first, first + span), True
         kv_len = int((starts + lengths).max())
-        first = int(slots[0])
-        consecutive = bool((slots == torch.arange(first, first + len(rows))).all())
 
         dev = self.device
         self.cache.reserve(int(slots.max()) + 1, kv_len)
@@ -632,7 +644,8 @@ class TransformersBackend(GenerationBackend):
             logits_to_keep=1,
             **{self._cache_kw: self.cache},
         )
-        return out.logits[:, -1].float()
+        logits = out.logits[:, -1].float()
+        return logits[kept.to(dev)] if fill else logits
 
     @staticmethod
     def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

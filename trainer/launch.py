@@ -36,8 +36,16 @@ def launch_command(config: Any, argv: Sequence[str]) -> tuple[list[str], dict[st
     processes = config.training.num_processes
     if config.training.accelerate_config:
         command += ["--config_file", config.training.accelerate_config]
-    if processes > 1:
-        command += ["--num_processes", str(processes)]
+        if processes > 1:
+            command += ["--num_processes", str(processes)]
+    else:
+        # Every setting accelerate would otherwise default (and warn about at each launch);
+        # the trainer's Accelerator still sets its own mixed precision from the config.
+        mixed = config.training.mixed_precision
+        if mixed == "auto":
+            mixed = "bf16" if torch.cuda.is_available() else "no"
+        command += ["--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", mixed,
+                    "--dynamo_backend", "no"]
     if not torch.cuda.is_available():
         if processes > 1:
             # accelerate's `--cpu` starts one process unless MPI is set up; its torchrun

@@ -215,6 +215,16 @@ def test_cli_launches_several_cpu_processes_with_torchrun_and_gloo(world, endpoi
         assert "--multi_gpu" in command and "--cpu" not in command and env["ACCELERATE_USE_CPU"] == "true"
 
 
+def test_one_process_launch_names_every_setting_accelerate_would_warn_about(world, endpoints):
+    from trainer.launch import launch_command
+
+    command, _ = launch_command(micro_config(world, endpoints), ["--config", "x.yaml"])
+    named = dict(zip(command[3:-5:2], command[4:-5:2]))  # after `python -m accelerate.commands.launch`
+    expected_mixed = "bf16" if torch.cuda.is_available() else "no"
+    assert {k: named.get(k) for k in ("--num_processes", "--num_machines", "--mixed_precision", "--dynamo_backend")} \
+        == {"--num_processes": "1", "--num_machines": "1", "--mixed_precision": expected_mixed, "--dynamo_backend": "no"}
+
+
 def test_infra_failures_are_left_out_of_the_loss_and_counted(world, endpoints, taught_model):
     # `cat` points at a port nobody listens on: rollouts that read a page fail as infra.
     with socket.socket() as sock:
