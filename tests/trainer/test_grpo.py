@@ -435,3 +435,21 @@ def test_deepspeed_and_fsdp_are_refused_with_the_alternative(world, endpoints, t
     with pytest.raises(ConfigError, match=f"{settings['distributed_type']} is not supported; use DDP .*training.lora"):
         trainer.setup()
     trainer.cleanup()
+
+
+def test_checkpoints_are_ranked_by_validation_reward_unless_told_score(world, endpoints, taught_model):
+    """With a price per call, reward and score differ: the kept checkpoint carries the
+    figure `metric_for_best_model` names."""
+    for metric in ("reward", "score"):
+        config = micro_config(world, endpoints, max_steps=1, metric_for_best_model=metric)
+        config = config.model_copy(update={"penalties": config.penalties.model_copy(update={"per_tool_call": 0.3})})
+        out = world / f"ranked_by_{metric}"
+        trainer = GRPOTrainer(config, model_path=str(taught_model), output_dir=out)
+        trainer.setup()
+        try:
+            result = trainer.train()
+        finally:
+            trainer.cleanup()
+        last = read_jsonl(out / "metrics.jsonl")[-1]
+        assert last["eval/reward_mean"] != pytest.approx(last["eval/score_mean"])
+        assert result.best_checkpoints[0][1] == pytest.approx(last[f"eval/{metric}_mean"])
