@@ -165,6 +165,7 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
                                **bootstrap) if champion is not None else None)
         probes = None
         if p.run_probes:
+            logger.info("regression_eval: reward-hacking probes on %d test items", min(len(items), 20))
             probes = run_probes(grader, items[:20]).to_json()
             log_json(client, run_id, probes, "reward_hacking_probes.json")
         gates = regression_gates(vs_baseline, vs_champion, probes, p)
@@ -175,6 +176,7 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
                                      "regression/gain_high": g["high"],
                                      "regression/gates_passed": float(all(x.passed for x in gates.values()))},
                     model_id=candidate.model_id)
+        logger.info("regression_eval: the report and its figures")
         markdown = report_markdown(results, gates, p.group_by)
         log_text(client, run_id, markdown, "regression_report.md")
         log_json(client, run_id, results, "regression_report.json")

@@ -114,7 +114,7 @@ def numeric_score(
             "reference_parse_error",
             f"the reference must state exactly one number, found {found} in {reference[:120]!r}",
         )
-    answers = distinct_numbers(final_answer(answer))
+    answers = distinct_numbers(final_answer(answer), limit=2)
     if len(answers) != 1:
         return 0.0
     ref, ans = references[0], answers[0]
@@ -131,7 +131,7 @@ def parse_number(text: str) -> float | None:
     """The one number `text` states (`"$1,234.5"` -> 1234.5, `"(12.5)"` -> -12.5,
     `"12.5%"` -> 12.5, `"1.2 million"` -> 1200000.0), or None when it states none or
     several different ones."""
-    numbers = distinct_numbers(text)
+    numbers = distinct_numbers(text, limit=2)
     return numbers[0].scaled if len(numbers) == 1 else None
 
 
@@ -149,10 +149,14 @@ def final_answer(text: str) -> str:
     return text
 
 
-def distinct_numbers(text: str) -> list[ParsedNumber]:
-    """The numbers in `text`, one per distinct (value, percent) pair, in order."""
+def distinct_numbers(text: str, *, limit: int | None = None) -> list[ParsedNumber]:
+    """The numbers in `text`, one per distinct (value, percent) pair, in order; only the
+    first `limit` when given (whether an answer states one number needs two at most, and a
+    probe that lists thousands of numbers would otherwise cost a quadratic scan)."""
     found: list[ParsedNumber] = []
     for match in _NUMBER.finditer(text):
+        if limit is not None and len(found) >= limit:
+            break
         first = _parse_match(match)
         # "±5" states two numbers, 5 and -5: an answer hedged that way is not one answer.
         both = [first, replace(first, value=-first.value)] if match["sign"] == "±" and first.value else [first]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainer.graders import GraderError, grade, numeric_score, parse_number, validate_grader_file
+from trainer.graders.numeric import distinct_numbers
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -81,6 +82,14 @@ def test_numeric_score(answer: str, reference: str, score: float) -> None:
 def test_hedged_or_dumped_answers_earn_nothing(answer: str) -> None:
     assert numeric_score(answer, "12.5%") <= 0.1
     assert numeric_score(answer, "12.5%") == 0.0
+
+
+def test_a_dump_of_thousands_of_numbers_earns_nothing_and_repeats_of_one_number_are_one() -> None:
+    dump = "Answer: " + ", ".join(str(n) for n in range(20_000)) + ", 12.5%"
+    assert numeric_score(dump, "12.5%") == 0.0
+    assert numeric_score("Answer: 12.5%, i.e. 12.50%, so 12.5%", "12.5%") == 1.0
+    assert [n.value for n in distinct_numbers("1, 1.0, 2, 2, 3", limit=2)] == [1.0, 2.0]
+    assert len(distinct_numbers("1, 2, 3, 4")) == 4
 
 
 def test_partial_credit_can_be_switched_off_and_tolerances_tuned() -> None:
