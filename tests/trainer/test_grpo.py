@@ -439,11 +439,11 @@ def test_deepspeed_and_fsdp_are_refused_with_the_alternative(world, endpoints, t
 
 
 def test_checkpoints_are_ranked_by_validation_reward_unless_told_score(world, endpoints, taught_model):
-    """With a price per call, reward and score differ: the kept checkpoint carries the
+    """With a price per token, reward and score differ: the kept checkpoint carries the
     figure `metric_for_best_model` names."""
     for metric in ("reward", "score"):
         config = micro_config(world, endpoints, max_steps=1, metric_for_best_model=metric)
-        config = config.model_copy(update={"penalties": config.penalties.model_copy(update={"per_tool_call": 0.3})})
+        config = config.model_copy(update={"penalties": config.penalties.model_copy(update={"per_token": 0.002})})
         out = world / f"ranked_by_{metric}"
         trainer = GRPOTrainer(config, model_path=str(taught_model), output_dir=out)
         trainer.setup()
