@@ -413,6 +413,10 @@ class TransformersBackend(GenerationBackend):
         self._seqs: dict[str, _Sequence] = {}
         self._queue: list[_Sequence] = []  # waiting for a slot, FIFO
         self._free_slots = list(range(max_slots))  # a heap: lowest first keeps rows consecutive
+        # A decode step over rows with gaps runs over the whole slot span (gap rows filled)
+        # when the span is at most this many times the rows, else it gathers the rows.
+        self.gap_fill_factor = 2.0
+        self.gap_filled_steps = 0
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -594,7 +598,8 @@ class TransformersBackend(GenerationBackend):
         # over every slot of the span instead of gathering the rows' keys and values: a gap row
         # is one pad token that reads key 0 and writes nothing, far cheaper than copying
         # [rows, kv_len] keys and values in every layer at every step.
-        fill = width == 1 and not consecutive and span <= 2 * len(rows)
+        fill = width == 1 and not consecutive and span <= self.gap_fill_factor * len(rows)
+        self.gap_filled_steps += fill
         kept = (slots - first) if fill else torch.arange(len(rows))  # batch row of each sequence
         n_batch = span if fill else len(rows)
         starts = torch.zeros(n_batch, dtype=torch.long)

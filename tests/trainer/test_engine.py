@@ -89,13 +89,16 @@ def drive(backend: TransformersBackend, n_turns: int) -> list[TurnOutput]:
     raise AssertionError("the engine stopped making progress")
 
 
-def test_logits_match_full_forward_across_turns_joins_and_leaves(qwen3):
+@pytest.mark.parametrize("gap_fill_factor", [2.0, 0.0], ids=["gap-rows-filled", "rows-gathered"])
+def test_logits_match_full_forward_across_turns_joins_and_leaves(qwen3, gap_fill_factor):
     # 3 slots for 5 sequences: two queue; chunked, budget-split prefill; tools of different
     # latencies (sequences idle while others decode); one sequence leaves early and its slot goes
-    # to a queued one, so rows are non-consecutive and read through the gather path.
+    # to a queued one, so rows are non-consecutive: decoded over the span with gap rows filled,
+    # or (factor 0) read through the gather path.
     backend = TransformersBackend(
         qwen3, stop_token_ids=[], max_slots=3, max_len=512, prefill_chunk=16, max_prefill_tokens=40
     )
+    backend.gap_fill_factor = gap_fill_factor
     params = SamplingParams(temperature=1.0, max_new_tokens=9, return_logits=True)
     contexts = {f"s{i}": random_ids(7 + 13 * i, seed=i) for i in range(5)}
     turns_left = {"s0": 1, "s1": 3, "s2": 3, "s3": 2, "s4": 2}
@@ -125,6 +128,7 @@ def test_logits_match_full_forward_across_turns_joins_and_leaves(qwen3):
                 due[turn.seq_id] = (step + tool_latency[turn.seq_id], tool_ids)
     assert checked == 11
     assert backend.cache.capacity[0] == 3  # never more rows than slots
+    assert (backend.gap_filled_steps > 0) == (gap_fill_factor > 0)
 
 
 def test_same_seed_same_tokens_whatever_the_batch(qwen3):
