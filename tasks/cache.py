@@ -7,8 +7,7 @@ Every stage task is cached with
 - `INPUTS - "ctx"`: the config sections the task is given (each task takes only the
   sections it reads) and the upstream results it consumes, but not the run context, whose
   MLflow parent run is new at every pipeline run;
-- `PipelineContext`: the data version (DVC md5) and the MLflow store the run records into
-  (its URI and its experiment's id and creation time);
+- `PipelineContext`: the data version (DVC md5) and the MLflow store the run records into;
 - `StageSource`: the code the stage runs, i.e. the project modules its module imports,
   transitively, hashed as syntax trees without docstrings: a comment or docstring edit
   changes nothing, and a change to `trainer/grpo.py` re-runs training but not
@@ -103,15 +102,12 @@ class StageSource(CachePolicy):
 
 @dataclass
 class PipelineContext(CachePolicy):
-    """The data version and the MLflow store of the run (from the task's `ctx` input): its
-    URI and its experiment (id and creation time), so that a store deleted and made anew at
-    the same path does not serve results whose MLflow runs went with the old one."""
+    """The data version and the MLflow store of the run (from the task's `ctx` input)."""
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:
         ctx = inputs["ctx"]
-        return hash_objects({"data": ctx.data_md5, "store": ctx.tracking_uri, "experiment": ctx.experiment_id,
-                             "created": ctx.experiment_created})
+        return hash_objects({"data": ctx.data_md5, "store": ctx.tracking_uri})
 
 
 def stage_cache(module: str) -> CachePolicy:

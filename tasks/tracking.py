@@ -73,9 +73,6 @@ class RunContext(BaseModel):
 
     tracking_uri: str
     experiment_id: str
-    # when the experiment was created (ms): a store deleted and made anew at the same path
-    # holds a new experiment, so results cached against the old one are not served
-    experiment_created: int = 0
     parent_run_id: str
     data_md5: str
     config_hash: str
@@ -132,7 +129,6 @@ def open_pipeline_run(config: Any, *, data_md5: str, git_commit: str) -> RunCont
     partial = RunContext(
         tracking_uri=tracking_uri,
         experiment_id=experiment_id,
-        experiment_created=int(client.get_experiment(experiment_id).creation_time or 0),
         parent_run_id="",
         data_md5=data_md5,
         config_hash=config.section_hash(),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -75,41 +74,3 @@ def test_comments_and_docstrings_do_not_change_the_key_but_code_does(package):
     assert _hash() == first
     helper.write_text('"""Helper."""\n\n\ndef f():\n    return 2\n')
     assert _hash() != first
-
-
-def test_a_store_made_anew_at_the_same_path_does_not_serve_the_old_stores_results(tmp_path: Path):
-    """The MLflow store is part of every key by its URI *and* its experiment: delete
-    `mlflow.db` and run again in the same folder, and the cached stages (whose MLflow runs
-    went with the old file) are not served. Each run is its own process, as a rerun is."""
-    import json
-    import subprocess
-
-    script = tmp_path / "open_run.py"
-    script.write_text(textwrap.dedent(f"""
-        import json
-        from tasks.cache import PipelineContext
-        from tasks.tracking import open_pipeline_run
-        from trainer.config import config_from_dict
-
-        config = config_from_dict({{
-            "name": "cache-store", "model": {{"base_model": "some/model"}},
-            "data": {{"train_file": "t.jsonl", "validation_file": "v.jsonl", "test_file": "x.jsonl"}},
-            "grader": {{"type": "string_check", "name": "g", "input": "{{{{sample.output_text}}}}",
-                       "reference": "{{{{item.answer}}}}", "operation": "eq"}},
-            "mlflow": {{"tracking_uri": "sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "cache-store"}},
-        }})
-        ctx = open_pipeline_run(config, data_md5="d1", git_commit="c")
-        print(json.dumps({{"key": PipelineContext().compute_key(None, {{"ctx": ctx}}, {{}}),
-                          "experiment": ctx.experiment_id, "created": ctx.experiment_created}}))
-    """))
-
-    def run() -> dict:
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=cache.ROOT,
-                              timeout=120, check=True)
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    first = run()  # (the same store keeps its key: the pipeline reruns served from cache, tests/flows)
-    assert first["created"] > 0
-    (tmp_path / "mlflow.db").unlink()
-    anew = run()
-    assert anew["experiment"] == first["experiment"] and anew["key"] != first["key"]
