@@ -221,10 +221,9 @@ class GRPOTrainer:
 
         training, data = self.config.training, self.config.data
         refuse_sharded_launch(training.accelerate_config)
-        mixed = training.mixed_precision
-        if mixed == "auto":
-            mixed = "bf16" if torch.cuda.is_available() else "no"
-        self.accelerator = acc = Accelerator(mixed_precision=mixed)
+        from trainer.launch import resolved_mixed_precision
+
+        self.accelerator = acc = Accelerator(mixed_precision=resolved_mixed_precision(training.mixed_precision))
         self.is_main = acc.is_main_process  # this process logs, saves and draws
         set_seed(training.seed)
         launched = int(os.environ.get("WORLD_SIZE", "1"))

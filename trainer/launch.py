@@ -26,6 +26,15 @@ def needs_launcher(config: Any) -> bool:
     return wanted and not any(name in os.environ for name in (LAUNCHED, "LOCAL_RANK", "WORLD_SIZE"))
 
 
+def resolved_mixed_precision(setting: str) -> str:
+    """`auto`: bf16 on a GPU, none on CPUs; any other setting as it is."""
+    import torch
+
+    if setting != "auto":
+        return setting
+    return "bf16" if torch.cuda.is_available() else "no"
+
+
 def launch_command(config: Any, argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """The `accelerate launch` command (and the environment it adds) that runs
     `agentrft train` with `argv` on the config's processes."""
@@ -41,9 +50,7 @@ def launch_command(config: Any, argv: Sequence[str]) -> tuple[list[str], dict[st
     else:
         # Every setting accelerate would otherwise default (and warn about at each launch);
         # the trainer's Accelerator still sets its own mixed precision from the config.
-        mixed = config.training.mixed_precision
-        if mixed == "auto":
-            mixed = "bf16" if torch.cuda.is_available() else "no"
+        mixed = resolved_mixed_precision(config.training.mixed_precision)
         command += ["--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", mixed,
                     "--dynamo_backend", "no"]
     if not torch.cuda.is_available():
