@@ -16,12 +16,12 @@ searches have their queries encoded together in one batch (`QueryEncoder`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
@@ -131,24 +131,10 @@ class QueryEncoder:
         self.model = model
         self.max_seq_length = max_seq_length
         self.max_batch = max_batch
-        self.cache_size = cache_size
-        self._cached: OrderedDict[str, np.ndarray] = OrderedDict()
         self._pending: list[_Query] = []
         self._busy = False
         self._cv = threading.Condition()
-
-    def encode(self, text: str) -> np.ndarray:
-        with self._cv:
-            vector = self._cached.get(text)
-            if vector is not None:
-                self._cached.move_to_end(text)
-                return vector
-        vector = self._encode(text)
-        with self._cv:
-            self._cached[text] = vector
-            while len(self._cached) > self.cache_size:
-                self._cached.popitem(last=False)
-        return vector
+        self.encode = functools.lru_cache(maxsize=cache_size)(self._encode)
 
     def _encode(self, text: str) -> np.ndarray:
         query = _Query(text)
