@@ -22,7 +22,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +87,17 @@ def _prefect_limit(model: str, *, wait: bool, timeout_s: float, log: Callable[[s
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
         except ObjectAlreadyExists:
             pass
-    started = time.monotonic()
+    started, held = time.monotonic(), ExitStack()
     try:
-        with concurrency(name, occupy=1, timeout_seconds=timeout_s if wait else 1.0, strict=True):
-            yield
-    except TimeoutError:
+        # A failed lease renewal (a busy or restarting server) is logged by Prefect and
+        # training goes on: stopping hours of training for it would cost more than the
+        # rare overlap it guards against (Prefect's advice for long-running holders).
+        held.enter_context(concurrency(name, occupy=1, timeout_seconds=timeout_s if wait else 1.0, strict=True,
+                                       raise_on_lease_renewal_failure=False))
+    except TimeoutError:  # only the acquisition: an error of the run itself keeps its own message
         raise _busy(model, None if not wait else time.monotonic() - started) from None
+    with held:
+        yield
 
 
 @contextmanager

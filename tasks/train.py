@@ -87,7 +87,12 @@ def run_training(command: list[str], env: dict[str, str], log_path: Path, logger
                    for s in (process.stdout, process.stderr)]
         for reader in readers:
             reader.start()
-        code = process.wait()
+        try:
+            code = process.wait()
+        except BaseException:  # the flow was cancelled or failed around it: the trainer goes too
+            process.kill()
+            process.wait()
+            raise
         for reader in readers:
             reader.join()
     if code == 2:  # the trainer's own report of a user error (config, data): not worth a retry

@@ -63,7 +63,7 @@ def test_two_runs_at_once_leave_the_registry_as_one_run_would(harness, world, en
             except ModelBusy:
                 return "busy"
             except Exception as exc:  # noqa: BLE001 - the flow wraps it: look at the message
-                return "busy" if "another pipeline run" in str(exc) else f"failed: {exc}"
+                return "busy" if "another pipeline run" in str(exc) else f"failed: {type(exc).__name__}: {exc}"
 
         with ThreadPoolExecutor(2) as pool:
             outcomes = sorted(pool.map(lambda _: one_run(), range(2)))

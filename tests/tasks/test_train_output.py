@@ -38,3 +38,29 @@ def test_progress_lines_are_forwarded_as_they_are_written(tmp_path: Path) -> Non
     run_training([sys.executable, "-c", child], {}, tmp_path / "train.log", logger)
     assert logger.lines[0].startswith("GRPO: 1/2")
     assert (tmp_path / "train.log").read_text().splitlines() == ["GRPO: 1/2 steps, 0.50/s", "GRPO: 2/2 steps, 0.50/s"]
+
+
+def test_a_run_stopped_around_the_trainer_takes_the_trainer_with_it(tmp_path: Path) -> None:
+    """A cancelled or failed flow (here an interrupt while the stage waits) kills the
+    trainer rather than leaving it to train on, holding the CPUs, with nobody reading it."""
+    import os
+    import signal
+
+    import pytest
+
+    child = "import os, time; print(os.getpid(), flush=True); time.sleep(120)"
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 2.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_training([sys.executable, "-c", child], {}, tmp_path / "train.log", _Logger(tmp_path / "flag"))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    pid = int((tmp_path / "train.log").read_text().split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
