@@ -100,7 +100,7 @@ def ours(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: in
          shared: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
     """Our GRPO trainer for `steps` steps; seconds of the steps without the evaluations."""
     config = training_config(world, endpoints, max_steps=steps, eval_interval=steps, n_epochs=steps, seed=seed,
-                             **shared, **own)
+                             **{**shared, **own})  # `--ours learning_rate=...` replaces the shared rate
     result = train(config, model_path=str(world.model), output_dir=out)
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] > 0]
     step_s = [r["timing/step_s"] - r["timing/eval_s"] for r in rows]

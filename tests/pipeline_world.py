@@ -27,14 +27,14 @@ def micro(world: Path, endpoints, model: Path, **overrides):
                   "max_output_chars": OUTPUT_CHARS, "max_retries": 2},
         "grader": GRADER,
         "rollout": {"system_prompt": SYSTEM, "max_turns": 3, "max_new_tokens_per_turn": 48,
-                    "max_total_tokens": 768, "max_concurrent_rollouts": 1},
+                    "max_total_tokens": 768, "max_concurrent_rollouts": 8},
         "penalties": {"per_tool_call": 0.4, "correct_only": True},
         "baseline": {"k": 2, "min_nonzero_share": 0.0, "min_headroom": 0.0},
         "prompt_optimization": {"k": 1, "target_score": 1.0,
                                 "variants": [{"name": "terse", "system_prompt": "Reply with one number."}]},
         "training": {"batch_size": 2, "n_epochs": 10, "compute_multiplier": 0.5, "max_steps": 10, "learning_rate": 5e-3,
                      "eval_interval": 5, "eval_samples": 2, "checkpoint_interval": 5},
-        "promotion": {"registered_model": "micro-agent", "k": 16, "group_by": "category"},
+        "promotion": {"registered_model": "micro-agent", "k": 4, "group_by": "category"},
         "mlflow": {"tracking_uri": f"sqlite:///{world / 'mlflow.db'}", "experiment": "micro"},
     }
     return config_from_dict(merge_overrides(raw, overrides))

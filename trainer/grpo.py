@@ -578,6 +578,7 @@ class GRPOTrainer:
             (self.output_dir / "train_result.json").write_text(json.dumps(summary, indent=2))
             self.sink.log_artifacts(figures, "figures")
             self.sink.log_artifacts(self.rollouts_dir, "rollouts")
+            self.sink.flush_traces()
         return final
 
     def cleanup(self) -> None:

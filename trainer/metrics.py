@@ -154,5 +154,12 @@ class MetricsSink:
         run = self._retry(lambda: self._client.get_run(self.run_id), "reading the run")
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or self._client.tracking_uri
         self._retry(lambda: log_rollout_traces(records, experiment_id=run.info.experiment_id, run_id=self.run_id,
-                                               step=step, kind=kind, tracking_uri=uri),
+                                               step=step, kind=kind, tracking_uri=uri, flush=False),
                     f"logging the rollout traces of step {step}")
+
+    def flush_traces(self) -> None:
+        """Wait until the traces logged so far are in the store (`log_traces` does not)."""
+        if self._client is not None:
+            import mlflow
+
+            self._retry(mlflow.flush_trace_async_logging, "flushing the rollout traces")

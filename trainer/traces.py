@@ -10,8 +10,9 @@ the tool servers saw), `item_id`, `score`, `reward`, `status`, `step` and `kind`
 eval, baseline, candidate, ...).
 
 MLflow exports traces to the process's tracking URI (`mlflow.set_tracking_uri`), so the
-caller points it at the store of the run first; the export is asynchronous and flushed
-before returning.
+caller points it at the store of the run first; the export is asynchronous and, unless the
+caller says `flush=False` (the trainer, at every step: a flush waits about a second for
+MLflow's export queue, which was most of a small step's time), flushed before returning.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _text(value: Any, limit: int = 4000) -> str:
 
 
 def log_rollout_traces(
-    records: Sequence[RolloutRecord], *, experiment_id: str, run_id: str, step: int, kind: str, tracking_uri: str
+    records: Sequence[RolloutRecord], *, experiment_id: str, run_id: str, step: int, kind: str, tracking_uri: str,
+    flush: bool = True,
 ) -> list[str]:
     """Log `records` as traces of `run_id`; returns the MLflow trace ids."""
     import mlflow
@@ -48,7 +50,8 @@ def log_rollout_traces(
     ids = []
     for record in records:
         ids.append(_log_one(client, record, experiment_id=experiment_id, run_id=run_id, step=step, kind=kind))
-    mlflow.flush_trace_async_logging()
+    if flush:
+        mlflow.flush_trace_async_logging()
     return ids
 
 

@@ -48,7 +48,7 @@ def _stage_runs(client, parent_run_id: str) -> dict:
 def first_run(harness, world, endpoints, taught_model):
     from flows.pipeline import agent_rft_pipeline, pipeline_parameters
 
-    config = micro(world, endpoints, taught_model, mlflow=_own_store(world))
+    config = micro(world, endpoints, taught_model, mlflow=_own_store(world), promotion={"k": 16})
     outcome = agent_rft_pipeline(**pipeline_parameters(config))
     return config, outcome
 

@@ -90,8 +90,9 @@ def _train_command(config_file: Path, model: Path, out: Path, run_id: str, *extr
 
 
 def test_sigkilled_training_resumes_to_the_same_metrics(world, endpoints, taught_model):
-    config = micro(world, endpoints, taught_model, training={"n_epochs": 3, "max_steps": 3, "learning_rate": 1e-3,
-                                                              "checkpoint_interval": 1, "eval_interval": 3})
+    config = micro(world, endpoints, taught_model, rollout={"max_concurrent_rollouts": 1},  # exact: one at a time
+                   training={"n_epochs": 3, "max_steps": 3, "learning_rate": 1e-3, "checkpoint_interval": 1,
+                             "eval_interval": 3})
     config_file = world / "resume.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     client = mlflow_client(config.mlflow.tracking_uri)
