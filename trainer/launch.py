@@ -62,6 +62,12 @@ def launch_command(config: Any, argv: Sequence[str]) -> tuple[list[str], dict[st
             env["ACCELERATE_USE_CPU"] = "true"
         else:
             command.append("--cpu")
+        if not config.training.accelerate_config:
+            # accelerate's own default (physical cores per process), named so it does not warn
+            import psutil
+
+            threads = max(1, (psutil.cpu_count(logical=False) or 1) // processes)
+            command += ["--num_cpu_threads_per_process", str(threads)]
     return [*command, "-m", "flows.cli", "train", *argv], env
 
 

@@ -224,6 +224,9 @@ def test_one_process_launch_names_every_setting_accelerate_would_warn_about(worl
     flags = ("--num_processes", "--num_machines", "--mixed_precision", "--dynamo_backend")
     assert {flag: launcher[launcher.index(flag) + 1] for flag in flags if flag in launcher} == {
         "--num_processes": "1", "--num_machines": "1", "--mixed_precision": expected_mixed, "--dynamo_backend": "no"}
+    if not torch.cuda.is_available():
+        threads = launcher[launcher.index("--num_cpu_threads_per_process") + 1]
+        assert int(threads) >= 1 and "--cpu" in launcher
 
 
 def test_infra_failures_are_left_out_of_the_loss_and_counted(world, endpoints, taught_model):
