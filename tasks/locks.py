@@ -88,16 +88,34 @@ def _prefect_limit(model: str, *, wait: bool, timeout_s: float, log: Callable[[s
         except ObjectAlreadyExists:
             pass
     started, held = time.monotonic(), ExitStack()
+    # `wait` queues up to timeout_s; `stop` asks once, with no timeout (a short one would
+    # also fire on a merely slow server, and two runs would both stop): the server's
+    # answer "locked" (HTTP 423) is the only reading of busy.
+    options = {"timeout_seconds": timeout_s} if wait else {"max_retries": 0}
     try:
         # A failed lease renewal (a busy or restarting server) is logged by Prefect and
         # training goes on: stopping hours of training for it would cost more than the
         # rare overlap it guards against (Prefect's advice for long-running holders).
-        held.enter_context(concurrency(name, occupy=1, timeout_seconds=timeout_s if wait else 1.0, strict=True,
-                                       raise_on_lease_renewal_failure=False))
+        held.enter_context(concurrency(name, occupy=1, strict=True, raise_on_lease_renewal_failure=False, **options))
     except TimeoutError:  # only the acquisition: an error of the run itself keeps its own message
-        raise _busy(model, None if not wait else time.monotonic() - started) from None
+        raise _busy(model, time.monotonic() - started) from None
+    except Exception as exc:
+        if not _locked(exc):
+            raise
+        raise _busy(model, None) from None
     with held:
         yield
+
+
+def _locked(exc: BaseException | None) -> bool:
+    """Whether Prefect's acquisition error comes from the server's 423 Locked."""
+    import httpx
+
+    while exc is not None:
+        if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 423:
+            return True
+        exc = exc.__cause__
+    return False
 
 
 @contextmanager

@@ -1,9 +1,12 @@
 """The micro pipeline world shared by the pipeline and reliability tests: two train, two
 validation and six test items with their corpus pages under a DVC pin, and the micro config
 around a tiny taught model (tests/taught_model.py). The config keeps the default promotion
-gates: its training (ten GRPO steps, 0.4 a tool call) makes a candidate clearly better
-than the base, which the gates promote on the test items. The fixtures that build the
-world live in `tests/conftest.py`.
+gates: ten GRPO steps at 0.4 a tool call make a candidate clearly better than the base,
+which the gates promote on the test items when each is sampled 16 times. Only the test of
+that decision needs them (`LEARNS`); the other tests keep the preset's three steps and 4
+samples per test item. Rollouts run 8 at a time; a test that compares two runs' numbers
+exactly runs them one at a time. The fixtures that build the world live in
+`tests/conftest.py`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ from pathlib import Path
 
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS
 from trainer.config import config_from_dict, merge_overrides
+
+
+# What the test of the promotion decision adds to the preset (see the module docstring).
+LEARNS = {"training": {"max_steps": 10, "eval_interval": 5, "checkpoint_interval": 5}, "promotion": {"k": 16}}
 
 
 def micro(world: Path, endpoints, model: Path, **overrides):
@@ -32,8 +39,8 @@ def micro(world: Path, endpoints, model: Path, **overrides):
         "baseline": {"k": 2, "min_nonzero_share": 0.0, "min_headroom": 0.0},
         "prompt_optimization": {"k": 1, "target_score": 1.0,
                                 "variants": [{"name": "terse", "system_prompt": "Reply with one number."}]},
-        "training": {"batch_size": 2, "n_epochs": 10, "compute_multiplier": 0.5, "max_steps": 10, "learning_rate": 5e-3,
-                     "eval_interval": 5, "eval_samples": 2, "checkpoint_interval": 5},
+        "training": {"batch_size": 2, "n_epochs": 10, "compute_multiplier": 0.5, "max_steps": 3, "learning_rate": 5e-3,
+                     "eval_interval": 3, "eval_samples": 2, "checkpoint_interval": 3},
         "promotion": {"registered_model": "micro-agent", "k": 4, "group_by": "category"},
         "mlflow": {"tracking_uri": f"sqlite:///{world / 'mlflow.db'}", "experiment": "micro"},
     }

@@ -22,7 +22,7 @@ from envs.finqa.generate import generate_dataset
 from tasks.data_version import add
 from tasks.expectations import derive_and_save
 from tasks.tracking import mlflow_client
-from tests.pipeline_world import micro
+from tests.pipeline_world import LEARNS, micro
 from trainer.data import read_items, read_jsonl
 
 pytestmark = pytest.mark.integration
@@ -48,7 +48,7 @@ def _stage_runs(client, parent_run_id: str) -> dict:
 def first_run(harness, world, endpoints, taught_model):
     from flows.pipeline import agent_rft_pipeline, pipeline_parameters
 
-    config = micro(world, endpoints, taught_model, mlflow=_own_store(world), promotion={"k": 16})
+    config = micro(world, endpoints, taught_model, mlflow=_own_store(world), **LEARNS)
     outcome = agent_rft_pipeline(**pipeline_parameters(config))
     return config, outcome
 
