@@ -16,7 +16,6 @@ from pathlib import Path
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS
 from trainer.config import config_from_dict, merge_overrides
 
-
 # What the test of the promotion decision adds to the preset (see the module docstring).
 LEARNS = {"training": {"max_steps": 10, "eval_interval": 5, "checkpoint_interval": 5}, "promotion": {"k": 16}}
 

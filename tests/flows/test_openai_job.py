@@ -11,7 +11,7 @@ import yaml
 
 from flows.openai_job import config_from_openai_job
 from tasks.tracking import mlflow_client
-from tests.pipeline_world import micro
+from tests.pipeline_world import LEARNS, micro
 from trainer.data import read_items, split_items, write_jsonl
 from trainer.errors import ConfigError
 
@@ -114,10 +114,11 @@ def test_openai_job_runs_as_the_pipeline(harness, world, endpoints, taught_model
     monkeypatch.setenv("JOB_TOKEN", "job-secret-token")
     job = world / "job.json"
     # The promotion decision on the world's six test items (ours; OpenAI has no test file),
-    # and the micro preset's seed: this run trains exactly as the pipeline tests' does.
+    # and the micro preset's seed and the steps and samples of its promotion test: this run
+    # trains exactly as the pipeline tests' does.
     job.write_text(json.dumps({**job_body(world, endpoints, str(taught_model)), "seed": 42,
                                "test_file": str(world / "data" / "test.jsonl")}))
-    base = micro(world, endpoints, taught_model).model_dump(mode="json")
+    base = micro(world, endpoints, taught_model, **LEARNS).model_dump(mode="json")
     for section in ("model", "data", "grader"):
         base.pop(section)
     base["training"].pop("learning_rate")  # the job's learning_rate_multiplier decides
