@@ -76,6 +76,19 @@ def _champion_to_beat(tracking_uri: str, name: str, candidate_uri: str | None) -
     return {"version": previous, "uri": f"models:/{name}/{previous}"} if previous else None
 
 
+def _run_in_store(client: Any, run_id: str) -> bool:
+    """Whether the store holds `run_id` as an active run (any other MLflow error, such as
+    an unreachable server, is raised: it says nothing about the cache)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(run_id).info.lifecycle_stage == "active"
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+
+
 def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict[str, Any]:
     """Run the six stages for `config` inside a flow; returns the outcome summary."""
     refresh = list(refresh or [])
@@ -97,6 +110,14 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict
             *args, ctx=ctx, **kwargs, return_state=True)
         result = state.result()
         cached = state.name == "Cached"
+        if cached and not _run_in_store(client, result.run_id):
+            # Prefect's cache is machine-wide and knows the store by its URI: a store made
+            # anew at the same path (a re-clone, `rm mlflow.db`) or a stage run deleted in
+            # the UI would otherwise be served results whose runs it does not hold.
+            logger.info("%s: the cached result's MLflow run %s is not in %s (deleted, or the store was made "
+                        "anew); running the stage again", stage, result.run_id, ctx.tracking_uri)
+            state = task.with_options(refresh_cache=True)(*args, ctx=ctx, **kwargs, return_state=True)
+            result, cached = state.result(), False
         client.set_tag(ctx.parent_run_id, f"stage.{stage}.run_id", result.run_id)
         client.set_tag(ctx.parent_run_id, f"stage.{stage}.cached", str(cached).lower())
         outcome["stages"][stage] = {"run_id": result.run_id, "cached": cached}

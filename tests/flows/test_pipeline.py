@@ -183,3 +183,32 @@ def test_failed_baseline_gate_stops_with_its_reason(harness, world, endpoints, t
     parent = client.search_runs([client.get_experiment_by_name("micro").experiment_id],
                                 filter_string="tags.stopped_at = 'baseline'")[0]
     assert sorted(_stage_runs(client, parent.info.run_id)) == ["baseline"]  # validation came from cache
+
+
+def test_a_stage_whose_cached_run_is_gone_runs_again(harness, world, endpoints, taught_model):
+    """Prefect's cache outlives the store (it is machine-wide, keyed by the store's URI): a
+    cached stage whose MLflow run was deleted, or whose store was made anew at the same
+    path, runs again instead of pointing the new pipeline run at a run that is not there."""
+    from flows.pipeline import _run_in_store, agent_rft_pipeline, pipeline_parameters
+
+    store = {"tracking_uri": f"sqlite:///{world / 'run-gone.db'}", "experiment": "micro"}
+    # stops at the baseline gate: two stages, a few seconds
+    config = micro(world, endpoints, taught_model, mlflow=store,
+                   baseline={"k": 2, "min_nonzero_share": 1.0, "min_headroom": 0.9})
+    client = mlflow_client(store["tracking_uri"])
+    assert not _run_in_store(client, "0" * 32)  # a run the store never held
+
+    def stage_tags() -> dict:
+        state = agent_rft_pipeline(**pipeline_parameters(config), return_state=True)
+        assert state.is_failed()
+        parent = client.search_runs([client.get_experiment_by_name("micro").experiment_id],
+                                    filter_string="tags.stopped_at = 'baseline'", order_by=["start_time DESC"])[0]
+        return parent.data.tags
+
+    first = stage_tags()
+    assert first["stage.validate_data.cached"] == "false"
+    client.delete_run(first["stage.validate_data.run_id"])
+    again = stage_tags()
+    assert again["stage.validate_data.cached"] == "false", "served a deleted run from cache"
+    assert again["stage.validate_data.run_id"] != first["stage.validate_data.run_id"]
+    assert _run_in_store(client, again["stage.validate_data.run_id"])
