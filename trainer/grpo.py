@@ -373,23 +373,23 @@ class GRPOTrainer:
             self._log(0, self._evaluate(0))  # the starting model, at the same settings
         progress = Progress(self.total_steps, "GRPO", unit="steps", log=print if self.is_main else _quiet)
         progress.done = self.step
-        while self.step < last:
-            step = self.step + 1
-            started = time.perf_counter()
-            metrics = self._train_step(step)
-            synced = time.perf_counter()
-            self.generator.sync(step)
-            metrics["timing/sync_s"] = time.perf_counter() - synced
-            evaluate = bool(self.eval_items) and (step % self.hp["eval_interval"] == 0 or step == self.total_steps)
-            metrics.update(self._evaluate(step) if evaluate else {"timing/eval_s": 0.0})
-            metrics["timing/step_s"] = time.perf_counter() - started
-            self.step = step
-            self._log(step, metrics)
-            if step % training.checkpoint_interval == 0 or step == last:
-                self._checkpoint()
-            progress.update(1, f"reward {metrics['train/reward_mean']:.3f}, tool calls "
-                               f"{metrics['train/tool_calls_mean']:.2f}, {metrics['timing/step_s']:.1f} s/step")
-        progress.close()
+        with progress:  # its heartbeat thread stops however the loop ends
+            while self.step < last:
+                step = self.step + 1
+                started = time.perf_counter()
+                metrics = self._train_step(step)
+                synced = time.perf_counter()
+                self.generator.sync(step)
+                metrics["timing/sync_s"] = time.perf_counter() - synced
+                evaluate = bool(self.eval_items) and (step % self.hp["eval_interval"] == 0 or step == self.total_steps)
+                metrics.update(self._evaluate(step) if evaluate else {"timing/eval_s": 0.0})
+                metrics["timing/step_s"] = time.perf_counter() - started
+                self.step = step
+                self._log(step, metrics)
+                if step % training.checkpoint_interval == 0 or step == last:
+                    self._checkpoint()
+                progress.update(1, f"reward {metrics['train/reward_mean']:.3f}, tool calls "
+                                   f"{metrics['train/tool_calls_mean']:.2f}, {metrics['timing/step_s']:.1f} s/step")
         model_dir = self._finish() if self.step == self.total_steps else None
         return TrainResult(
             model_dir=model_dir,

@@ -97,6 +97,10 @@ def test_first_run_records_six_stages_and_promotes(first_run):
     traces = mlflow.search_traces(locations=[parent.info.experiment_id], return_type="list",
                                   filter_string="tags.kind = 'candidate'")
     assert traces and {s.name.split(" ")[0] for s in traces[0].data.spans} >= {"rollout", "turn", "grade"}
+    # the trainer exports its traces in the background and flushes once at the end: every step's arrived
+    trained = mlflow.search_traces(locations=[parent.info.experiment_id], return_type="list",
+                                   filter_string="tags.kind = 'train'", max_results=1000)
+    assert {t.info.tags["step"] for t in trained} == {str(step) for step in range(1, 11)}
 
     version = client.get_model_version_by_alias("micro-agent", "champion")
     assert str(version.version) == outcome["version"] == "1"
