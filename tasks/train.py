@@ -74,10 +74,13 @@ def run_training(command: list[str], env: dict[str, str], log_path: Path, logger
         def on_line(line: str) -> None:
             log.write(line + "\n")
             log.flush()
-            progress = line.startswith("GRPO")
-            if not progress or time.monotonic() - last[0] > _PROGRESS_EVERY_S:
+            # Progress lines: at most one every _PROGRESS_EVERY_S. Other lines do not count
+            # (one just before a progress line used to hold it back for a whole period).
+            if line.startswith("GRPO"):
+                if time.monotonic() - last[0] <= _PROGRESS_EVERY_S:
+                    return
                 last[0] = time.monotonic()
-                logger.info(line)
+            logger.info(line)
 
         process = subprocess.Popen(
             command, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

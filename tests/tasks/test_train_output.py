@@ -64,3 +64,12 @@ def test_a_run_stopped_around_the_trainer_takes_the_trainer_with_it(tmp_path: Pa
     pid = int((tmp_path / "train.log").read_text().split()[0])
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_progress_line_right_after_another_line_is_forwarded(tmp_path: Path) -> None:
+    """Only progress lines throttle progress lines: a validation line just before one used
+    to hold it back, leaving ~30 s of silence in the demo's log."""
+    child = 'print("step 5: validation score 0.7", flush=True); print("GRPO: 5/30 steps, 0.04/s", flush=True)'
+    logger = _Logger(tmp_path / "flag")
+    run_training([sys.executable, "-c", child], {}, tmp_path / "train.log", logger)
+    assert logger.lines == ["step 5: validation score 0.7", "GRPO: 5/30 steps, 0.04/s"]
