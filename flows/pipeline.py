@@ -106,18 +106,18 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict
     def run(stage: str, task: Any, *args: Any, **kwargs: Any) -> Any:
         nonlocal current
         current = stage
-        state = task.with_options(refresh_cache=STAGES.index(stage) >= first_refreshed)(
-            *args, ctx=ctx, **kwargs, return_state=True)
-        result = state.result()
-        cached = state.name == "Cached"
+        def call(refresh: bool) -> tuple[Any, bool]:
+            state = task.with_options(refresh_cache=refresh)(*args, ctx=ctx, **kwargs, return_state=True)
+            return state.result(), state.name == "Cached"
+
+        result, cached = call(STAGES.index(stage) >= first_refreshed)
         if cached and not _run_in_store(client, result.run_id):
             # Prefect's cache is machine-wide and knows the store by its URI: a store made
             # anew at the same path (a re-clone, `rm mlflow.db`) or a stage run deleted in
             # the UI would otherwise be served results whose runs it does not hold.
             logger.info("%s: the cached result's MLflow run %s is not in %s (deleted, or the store was made "
                         "anew); running the stage again", stage, result.run_id, ctx.tracking_uri)
-            state = task.with_options(refresh_cache=True)(*args, ctx=ctx, **kwargs, return_state=True)
-            result, cached = state.result(), False
+            result, cached = call(True)
         client.set_tag(ctx.parent_run_id, f"stage.{stage}.run_id", result.run_id)
         client.set_tag(ctx.parent_run_id, f"stage.{stage}.cached", str(cached).lower())
         outcome["stages"][stage] = {"run_id": result.run_id, "cached": cached}
