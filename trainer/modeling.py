@@ -8,6 +8,7 @@ and tool calls with it.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from transformers import (
@@ -18,6 +19,12 @@ from transformers import (
 )
 
 from trainer.errors import ConfigError
+
+# transformers' `from_pretrained` sets process-wide state while it builds a model (the
+# default dtype, weight-init and weight-tying switches, meta-device patches), so two threads
+# loading at once break each other ("Cannot copy out of meta tensor", untied heads). Two
+# pipeline runs in one process (Prefect task threads) do load at once: loads take turns.
+_LOADING = threading.Lock()
 
 
 def load_model_and_tokenizer(
@@ -37,8 +44,9 @@ def load_model_and_tokenizer(
             raise ConfigError(f"model dtype {dtype!r} is not a torch dtype; use e.g. 'bfloat16'")
         dtype = getattr(torch, dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path_or_id)
-        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype or "auto")
+        with _LOADING:
+            tokenizer = AutoTokenizer.from_pretrained(path_or_id)
+            model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype or "auto")
     except (OSError, ValueError) as exc:  # missing files / not a model directory
         offline = os.environ.get("HF_HUB_OFFLINE", "0")
         raise ConfigError(
