@@ -3,7 +3,7 @@ not rollouts, training or evaluation, as a share of the run's wall time.
 
 The pipeline (flows/pipeline.py) runs once on the micro preset of the pipeline tests
 (tests/pipeline_world.py: two training, two validation and six test items under a DVC pin,
-k = 2, six GRPO steps, the default promotion gates) with the taught model of
+baseline k = 2, three GRPO steps, promotion k = 4, the default promotion gates) with the taught model of
 benchmarks/taught_world.py (which knows all of these items), Prefect in its ephemeral
 mode under a fresh PREFECT_HOME (as `make demo` runs it) and MLflow on a SQLite file.
 Compute is the time inside `run_evaluation` (every baseline, prompt-variant and
@@ -11,6 +11,9 @@ regression rollout goes through it) plus the training steps as the trainer timed
 (`timing/step_s` of its metrics: rollouts, update, in-training evaluation). The rest,
 bookkeeping, includes starting Prefect's server, MLflow runs, params, tags, artifacts and
 the registry, data validation, model loading, and the training subprocess's start.
+Those are mostly fixed costs (~30 s here), so the share falls as the job grows: the micro
+preset has seconds of compute, the demo has twenty minutes (its stage times are in the
+README).
 
     python -m benchmarks.bench_pipeline [--json out.json]
 """
