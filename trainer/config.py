@@ -190,6 +190,11 @@ class PenaltyConfig(Section):
     malformed_call: float = Field(
         0.0, ge=0, description="Subtracted per malformed tool call, on top of the call's price."
     )
+    repeated_call: float = Field(
+        0.0, ge=0, description="Subtracted per tool call that repeats an earlier call of the rollout (same tool, "
+        "same arguments), on top of its price: for tools that answer the same call the same way, a repeat "
+        "learns nothing. Leave at 0 for tools whose answers change (polling, queues)."
+    )
     per_turn: float = Field(0.0, ge=0, description="Subtracted per assistant turn that calls tools (rewards "
                             "calling tools in parallel).")
     per_token: float = Field(0.0, ge=0, description="Subtracted per generated token.")

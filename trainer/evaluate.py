@@ -5,7 +5,7 @@ non-zero baseline (some items solved at least once in k tries) and headroom (bes
 above the mean, i.e. variation inside a group that GRPO's advantages can use). Per item:
 mean, best-of-k and spread of the score. Overall: mean score, mean best-of-k, the share of
 items whose best is above zero, tool calls mean/p95/max, generated tokens, latency
-mean/p95, turns and calls per turn, malformed calls, truncated rollouts, status counts and
+mean/p95, turns and calls per turn, malformed and repeated calls, truncated rollouts, status counts and
 grader errors, and the mean score of each group of items when a grouping field is named
 (`promotion.group_by`). Figures: the per-item spread plot and a tool-calls histogram.
 
@@ -115,6 +115,7 @@ def summarize(
         "grader_error_rate": sum(1 for r in records if r.grader_errors) / n,
         "over_budget_rate": status_counts.get("over_budget", 0) / n,
         "malformed_calls": float(np.mean([r.malformed_tool_calls for r in records])) if records else 0.0,
+        "repeated_calls": float(np.mean([r.repeated_tool_calls for r in records])) if records else 0.0,
         "turns_mean": float(np.mean([r.turns for r in records])) if records else 0.0,
         "tool_turns_mean": float(np.mean([r.tool_turns for r in records])) if records else 0.0,
         "calls_per_turn": (

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -108,6 +109,20 @@ class RolloutRecord:
         return "length" in self.finish_reasons
 
     @property
+    def repeated_tool_calls(self) -> int:
+        """Calls with the same tool and arguments (compared as parsed JSON) as an earlier call."""
+        seen: set[tuple[str, str]] = set()
+        repeats = 0
+        for call in self.tool_calls:
+            try:
+                arguments = json.dumps(json.loads(call.arguments), sort_keys=True)
+            except ValueError:
+                arguments = call.arguments
+            repeats += (call.name, arguments) in seen
+            seen.add((call.name, arguments))
+        return repeats
+
+    @property
     def tool_turns(self) -> int:
         """Assistant turns that called tools."""
         return self.finish_reasons.count("tool_calls")
@@ -136,6 +151,7 @@ class RolloutSettings:
     per_tool_call_penalty: float = 0.0
     tool_call_costs: dict[str, float] = field(default_factory=dict)
     malformed_call_penalty: float = 0.0
+    repeated_call_penalty: float = 0.0
     per_turn_penalty: float = 0.0
     per_token_penalty: float = 0.0
     overlong_penalty: float = 0.0
@@ -157,6 +173,7 @@ class RolloutSettings:
             per_tool_call_penalty=penalties.per_tool_call,
             tool_call_costs=dict(penalties.tool_call_costs),
             malformed_call_penalty=penalties.malformed_call,
+            repeated_call_penalty=penalties.repeated_call,
             per_turn_penalty=penalties.per_turn,
             per_token_penalty=penalties.per_token,
             overlong_penalty=penalties.overlong,
@@ -192,7 +209,8 @@ def check_tool_call_costs(
 
 def compute_reward(record: RolloutRecord, settings: RolloutSettings) -> None:
     """reward = score - penalties: over the budget, per tool call (malformed ones at their
-    own price), per tool-calling turn, per token, and the soft overlong penalty."""
+    own price, repeated ones at an extra price), per tool-calling turn, per token, and the soft
+    overlong penalty."""
     if record.score is None:
         return
     penalties = {}
@@ -204,6 +222,8 @@ def compute_reward(record: RolloutRecord, settings: RolloutSettings) -> None:
     )
     if shaped and calls_cost:
         penalties["tool_calls"] = calls_cost
+    if shaped and settings.repeated_call_penalty and (repeats := record.repeated_tool_calls):
+        penalties["repeated_calls"] = settings.repeated_call_penalty * repeats
     if record.malformed_tool_calls and settings.malformed_call_price:
         # charged whatever the score: correct_only must not make a broken call free
         penalties["malformed_calls"] = record.malformed_tool_calls * settings.malformed_call_price

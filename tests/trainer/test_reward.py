@@ -100,3 +100,33 @@ def test_a_priced_tool_the_items_do_not_offer_is_a_clear_error():
     check_tool_call_costs({"calculator": 0.0}, items, "data/train.jsonl")
     with pytest.raises(ConfigError, match=r"'calcualtor'.*data/train\.jsonl.*calculator, search"):
         check_tool_call_costs({"calcualtor": 0.0}, items, "data/train.jsonl")
+
+
+def test_a_repeated_call_pays_its_price_and_the_repeat_price():
+    settings = RolloutSettings(per_tool_call_penalty=0.05, repeated_call_penalty=0.1)
+    rollout = record(1.0, [])
+    rollout.tool_calls = [
+        ToolCallRecord("calculator", '{"expression": "2*3"}', "6", 0.0, None, "c0"),
+        ToolCallRecord("calculator", '{ "expression":"2*3" }', "6", 0.0, None, "c1"),  # same call, other spacing
+        ToolCallRecord("calculator", '{"expression": "2*4"}', "8", 0.0, None, "c2"),  # other arguments
+        ToolCallRecord("search", '{"expression": "2*3"}', "", 0.0, None, "c3"),  # other tool
+        ToolCallRecord("calculator", '{"expression": "2*3"}', "6", 0.0, None, "c4"),  # a second repeat
+    ]
+    assert rollout.repeated_tool_calls == 2
+    compute_reward(rollout, settings)
+    assert rollout.penalties == {"tool_calls": pytest.approx(5 * 0.05), "repeated_calls": pytest.approx(0.2)}
+    assert rollout.reward == pytest.approx(1.0 - 0.25 - 0.2)
+
+    wrong = record(0.0, ["list", "list"])
+    compute_reward(wrong, RolloutSettings(repeated_call_penalty=0.1, penalties_correct_only=True))
+    assert wrong.penalties == {} and wrong.reward == 0.0  # correct_only: a wrong answer is never cheaper
+
+
+def test_repeated_calls_are_counted_in_the_evaluation_summary():
+    from trainer.evaluate import summarize
+
+    once, twice = record(1.0, ["search", "cat"]), record(1.0, ["cat", "cat", "cat"])
+    summary = summarize([once, twice], prefix="eval")
+    assert summary.metrics["eval/repeated_calls"] == pytest.approx((0 + 2) / 2)
+    config = PipelineConfig.model_validate({**MINIMAL, "penalties": {"repeated_call": 0.1}})
+    assert RolloutSettings.from_config(config.rollout, config.penalties).repeated_call_penalty == 0.1
