@@ -22,6 +22,9 @@ from trainer.errors import AgentRFTError
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Prefect's ephemeral server migrates a fresh database before it answers: ~25 s on a 2-core
+# machine, past Prefect's own 20 s limit (`agentrft run` then fails before any stage).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 DEMO_CONFIG = "envs/finqa/demo.yaml"
 app = typer.Typer(name="agentrft", help="Self-hosted Agent Reinforcement Fine-Tuning.", no_args_is_help=True,

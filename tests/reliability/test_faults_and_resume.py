@@ -153,12 +153,14 @@ def test_a_killed_flow_rerun_skips_finished_stages(harness, world, endpoints, ta
     env = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(world / "killed-flow-prefect"), AGENTRFT_LOCK_DIR=str(world / "killed-flow-locks"),
                PREFECT_LOCAL_STORAGE_PATH=str(PREFECT_LOCAL_STORAGE_PATH.value()))
-    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config_file)], cwd=REPO,
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = world / "killed-flow.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config_file)],
+                                   cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     training = world / "killed-flow" / "rft_training"
     deadline = time.monotonic() + 600
     while not list(training.glob("*/checkpoints/step_1")):
-        assert process.poll() is None, "the pipeline ended before training checkpointed"
+        assert process.poll() is None, f"the pipeline ended before training checkpointed:\n{log.read_text()[-4000:]}"
         assert time.monotonic() < deadline
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGKILL)  # the flow and its trainer subprocess
