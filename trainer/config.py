@@ -302,6 +302,13 @@ class TrainingConfig(Section):
     )
     ppo_epochs: int = Field(1, ge=1, description="Optimisation passes over each batch of rollouts.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty against the frozen reference.")
+    group_by: str | None = Field(
+        None, description="Item field that groups the training items (e.g. category) for kl_coef_by_group."
+    )
+    kl_coef_by_group: dict[str, NonNegativeFloat] = Field(
+        default_factory=dict, description="KL coefficient per group of training items (by group_by), in place "
+        "of kl_coef for that group's rollouts: hold the base model's behaviour only where a group needs it."
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="After warmup.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -334,6 +341,26 @@ class TrainingConfig(Section):
     def _scale_rewards_bool(cls, value: Any) -> Any:
         # TRL takes True/False as well: True is "group", False is "none".
         return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _groups_have_a_field(self) -> TrainingConfig:
+        if self.kl_coef_by_group and not self.group_by:
+            raise ConfigError(
+                "training.kl_coef_by_group names groups but training.group_by is not set: name the item field "
+                "that holds the group (e.g. group_by: category)"
+            )
+        return self
+
+    def kl_coef_of(self, item: dict[str, Any]) -> float:
+        """The KL coefficient of an item's rollouts: its group's, else kl_coef."""
+        if not self.group_by or self.group_by not in item:
+            return self.kl_coef
+        return self.kl_coef_by_group.get(str(item[self.group_by]), self.kl_coef)
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether any rollout carries a KL term (the frozen reference is needed)."""
+        return self.kl_coef > 0 or any(coef > 0 for coef in self.kl_coef_by_group.values())
 
 
 class PromotionConfig(Section):

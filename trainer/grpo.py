@@ -118,6 +118,25 @@ def refuse_sharded_launch(accelerate_config: str | None) -> None:
         raise sharded_error(f"training.accelerate_config {path}: {kind or 'DeepSpeed/FSDP'}")
 
 
+def check_kl_groups(training: Any, items: list[dict[str, Any]], file: str) -> None:
+    """Every group `training.kl_coef_by_group` names occurs in the training items: a
+    misspelt group would silently train without its KL term."""
+    if not training.kl_coef_by_group:
+        return
+    found = {str(item[training.group_by]) for item in items if training.group_by in item}
+    if not found:
+        raise ConfigError(
+            f"{file}: no training item has the field {training.group_by!r} that training.group_by names; "
+            "name a field the items have or drop training.kl_coef_by_group"
+        )
+    unknown = sorted(set(training.kl_coef_by_group) - found)
+    if unknown:
+        raise ConfigError(
+            f"training.kl_coef_by_group: group(s) {unknown} do not occur in {file} (field "
+            f"{training.group_by!r} has {sorted(found)}); fix the names"
+        )
+
+
 def sharded_error(what: str) -> ConfigError:
     return ConfigError(f"{what} is not supported; use DDP (`accelerate config` -> multi-GPU, distributed_type: "
                        "MULTI_GPU) with training.lora for models that do not fit otherwise")
@@ -245,6 +264,7 @@ class GRPOTrainer:
         self.eval_items = validation[: self.hp["eval_samples"]]
         for items, file in ((self.train_items, data.train_file), (validation, data.validation_file)):
             check_tool_call_costs(self.settings.tool_call_costs, items, file, self.config.tools.schemas)
+        check_kl_groups(training, self.train_items, data.train_file)
         batch_size = self.hp["batch_size"]
         if batch_size % acc.num_processes:
             raise ConfigError(
@@ -272,7 +292,7 @@ class GRPOTrainer:
         self.stop_token_ids = policy.stop_token_ids
         model = policy.model
         self.reference = None
-        if training.kl_coef > 0 and training.lora is None:
+        if training.uses_reference and training.lora is None:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         if training.lora is not None:
             from peft import LoraConfig as PeftLoraConfig
@@ -297,8 +317,10 @@ class GRPOTrainer:
             weight_decay=training.weight_decay,
         )
         self.model, self.optimizer = acc.prepare(model, optimizer)
+        kl_by_item = {str(item["id"]): training.kl_coef_of(item) for item in self.train_items}
         self.updater = PolicyUpdate(acc, self.model, self.optimizer, config=self.config, tokenizer=self.tokenizer,
-                                    reference=self.reference, temperature=self.temperature)
+                                    reference=self.reference, temperature=self.temperature,
+                                    kl_coef_of=lambda record: kl_by_item.get(record.item_id, training.kl_coef))
         from trainer.backends import make_generator
 
         self.generator = self._exit.enter_context(make_generator(self.config, self, self.output_dir))

@@ -143,13 +143,13 @@ def policy_loss(
     loss_type: str = "dapo",
     sampler: torch.Tensor | None = None,
     tis_cap: float | None = None,
-    kl_coef: float = 0.0,
+    kl_coef: float | torch.Tensor = 0.0,
     ref: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The update's loss share of one micro-batch, `sum(weights * per-token loss)`, and the
     sums of its statistics. `new`, `old`, `sampler`, `ref`, `mask` and `weights` are
-    [batch, positions]; `advantages` is [batch]. Masked-out positions take no part, not
-    even as a 0 * NaN."""
+    [batch, positions]; `advantages` is [batch], and so is `kl_coef` when it is a tensor (a
+    coefficient per rollout). Masked-out positions take no part, not even as a 0 * NaN."""
     log_ratio = torch.where(mask, (new - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
     if loss_type == "gspo":
         # The rollout's ratio, exp(mean log-ratio), as a detached value times the token's own
@@ -174,7 +174,8 @@ def policy_loss(
     if ref is not None:
         ref_log_ratio = torch.where(mask, (ref - new).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
         kl = ref_log_ratio.exp() - ref_log_ratio - 1
-        per_token = per_token + kl_coef * kl
+        coef = kl_coef[:, None] if isinstance(kl_coef, torch.Tensor) else kl_coef
+        per_token = per_token + coef * kl
     else:
         kl = ratio.detach() - 1 - log_ratio.detach()
     loss = torch.where(mask, per_token * weights, 0.0).sum()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -31,9 +32,11 @@ class PolicyUpdate:
     """The optimisation half of a GRPO step, on an Accelerate-prepared model."""
 
     def __init__(self, accelerator: Any, model: Any, optimizer: Any, *, config: Any, tokenizer: Any,
-                 reference: Any, temperature: float):
+                 reference: Any, temperature: float, kl_coef_of: Callable[[RolloutRecord], float] | None = None):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.config, self.tokenizer, self.reference, self.temperature = config, tokenizer, reference, temperature
+        # A rollout's KL coefficient (`training.kl_coef_by_group`); the same for all by default.
+        self.kl_coef_of = kl_coef_of or (lambda record: config.training.kl_coef)
 
     def update(self, records: list[RolloutRecord], advantages: list[float | None], step: int) -> dict[str, float]:
         """`ppo_epochs` passes of clipped policy-gradient updates over the rollouts that
@@ -155,12 +158,13 @@ class PolicyUpdate:
         old_t = torch.stack([aligned(old[i]) for i, _ in batch]) if old and batch else new.detach()
         sampler = torch.stack([aligned(record.logprobs) for _, (record, _) in batch]) if batch else new.detach()
         advantages = torch.tensor([a for _, (_, a) in batch] or [0.0], device=device)
-        ref = self._reference_logprobs(batch) if training.kl_coef > 0 else None
+        coefs = torch.tensor([self.kl_coef_of(record) for _, (record, _) in batch] or [0.0], device=device)
+        ref = self._reference_logprobs(batch) if training.uses_reference else None
         weights = token_weights(mask, loss_type=training.loss_type, update_tokens=update_tokens,
                                 update_rollouts=update_rollouts, max_tokens=self.config.rollout.max_total_tokens)
         loss, stats = policy_loss(
             new, old_t, advantages, mask, weights, epsilon=training.epsilon, epsilon_high=training.epsilon_high,
-            loss_type=training.loss_type, sampler=sampler, tis_cap=training.tis_cap, kl_coef=training.kl_coef, ref=ref,
+            loss_type=training.loss_type, sampler=sampler, tis_cap=training.tis_cap, kl_coef=coefs, ref=ref,
         )
         stats["entropy"] = tensors["entropy"]
         return loss, stats
