@@ -185,3 +185,32 @@ def test_scale_rewards_takes_trl_booleans() -> None:
     assert minimal(training={"scale_rewards": False}).training.scale_rewards == "none"
     with pytest.raises(ConfigError, match="training.scale_rewards"):
         minimal(training={"scale_rewards": "item"})
+
+
+def test_kl_coef_by_group_needs_a_group_field_and_falls_back_to_kl_coef() -> None:
+    with pytest.raises(ConfigError, match="training.group_by is not set"):
+        minimal(training={"kl_coef_by_group": {"ratio": 0.1}})
+    with pytest.raises(ConfigError, match="kl_coef_by_group"):
+        minimal(training={"group_by": "category", "kl_coef_by_group": {"ratio": -0.1}})
+    training = minimal(training={"kl_coef": 0.01, "group_by": "category",
+                                 "kl_coef_by_group": {"ratio": 0.2}}).training
+    assert training.kl_coef_of({"id": "a", "category": "ratio"}) == 0.2
+    assert training.kl_coef_of({"id": "b", "category": "change"}) == 0.01
+    assert training.kl_coef_of({"id": "c"}) == 0.01  # no group: kl_coef
+    assert training.uses_reference
+    assert minimal(training={"group_by": "category", "kl_coef_by_group": {"ratio": 0.2}}).training.uses_reference
+    assert not minimal(training={}).training.uses_reference
+
+
+def test_kl_groups_must_occur_in_the_training_items() -> None:
+    from trainer.grpo import check_kl_groups
+
+    items = [{"id": "a", "category": "ratio"}, {"id": "b", "category": "change"}]
+    training = minimal(training={"group_by": "category", "kl_coef_by_group": {"ratios": 0.1}}).training
+    with pytest.raises(ConfigError, match=r"\['ratios'\] do not occur in data/train.jsonl .*\['change', 'ratio'\]"):
+        check_kl_groups(training, items, "data/train.jsonl")
+    training = minimal(training={"group_by": "kind", "kl_coef_by_group": {"ratio": 0.1}}).training
+    with pytest.raises(ConfigError, match="data/train.jsonl: no training item has the field 'kind'"):
+        check_kl_groups(training, items, "data/train.jsonl")
+    check_kl_groups(minimal(training={"group_by": "category", "kl_coef_by_group": {"ratio": 0.1}}).training,
+                    items, "data/train.jsonl")

@@ -427,6 +427,22 @@ def test_one_pass_takes_the_trainer_as_old_policy_and_reports_the_sampler_mismat
     assert result.steps == 1
 
 
+@pytest.mark.slow
+def test_kl_coef_by_group_over_every_items_group_trains_as_the_same_kl_coef(world, endpoints, taught_model):
+    groups = {item["category"] for item in read_jsonl(world / "train.jsonl")}
+    weights = []
+    # Two passes: in the first the policy is the reference and the KL term has no gradient.
+    for name, training in (("kl_global", {"kl_coef": 0.5}),
+                           ("kl_by_group", {"kl_coef": 0.0, "group_by": "category",
+                                            "kl_coef_by_group": dict.fromkeys(groups, 0.5)}),
+                           ("kl_none", {"kl_coef": 0.0})):
+        config = micro_config(world, endpoints, max_steps=1, eval_samples=1, ppo_epochs=2, **training)
+        weights.append(_weights(train(config, model_path=str(taught_model), output_dir=world / name).model_dir))
+    same = [torch.equal(weights[0][k], weights[1][k]) for k in weights[0]]
+    assert all(same)
+    assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])  # the KL term moved them
+
+
 @pytest.mark.parametrize("settings", [
     {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2}},
     {"distributed_type": "FSDP", "fsdp_config": {}},

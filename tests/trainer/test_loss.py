@@ -106,6 +106,23 @@ def test_truncated_importance_sampling_weights_are_capped():
     assert stats["sampler_kl"].item() > 0
 
 
+def test_a_kl_coefficient_per_rollout_weighs_each_rollouts_k3_term():
+    new, old, advantages, mask = two_rollouts()
+    ref = torch.tensor([[0.3, 0.0, 0.0], [-0.2, 0.1, 0.4]])
+    weights = token_weights(mask, loss_type="dapo", update_tokens=5, update_rollouts=2, max_tokens=10)
+    loss, _ = policy_loss(new, old, advantages, mask, weights, epsilon=0.2, kl_coef=torch.tensor([0.0, 0.5]),
+                          ref=ref)
+
+    def k3(r: float, n: float) -> float:
+        return math.exp(r - n) - (r - n) - 1
+
+    a = [per_token_clipped(0.1, 1), per_token_clipped(-0.1, 1)]  # coefficient 0: no KL term
+    b = [per_token_clipped(n, -1) + 0.5 * k3(r, n) for n, r in ((0.05, -0.2), (0.3, 0.1), (-0.2, 0.4))]
+    assert loss.item() == pytest.approx((sum(a) + sum(b)) / 5, rel=1e-5)
+    loss.backward()
+    assert new.grad[0, 0].item() == pytest.approx(-math.exp(0.1) / 5, rel=1e-5)  # rollout A: no KL gradient
+
+
 def test_advantages_per_scaling_and_without_signal():
     assert group_advantages([1.0, None, 0.0, 0.0], divisor=1.0) == pytest.approx([2 / 3, None, -1 / 3, -1 / 3])
     scaled = group_advantages([1.0, None, 0.0], divisor=None)
