@@ -37,6 +37,9 @@ STAGE = "regression_eval"
 COMPARED = ("score_mean", "tool_calls_mean", "tokens_mean", "latency_s_p50", "latency_s_p95")
 
 
+_BOOTSTRAP_DRAWS_AT_ONCE = 4_000_000  # item indices drawn per chunk (32 MB)
+
+
 def paired_bootstrap(before: dict[str, float], after: dict[str, float], *, samples: int, seed: int) -> dict[str, float]:
     """Mean per-item gain (after - before) over the items both scored, and its 95%
     percentile-bootstrap interval (items resampled with replacement)."""
@@ -45,7 +48,11 @@ def paired_bootstrap(before: dict[str, float], after: dict[str, float], *, sampl
     if not len(gains):
         return {"gain": 0.0, "low": 0.0, "high": 0.0, "items": 0}
     rng = np.random.default_rng(seed)
-    means = gains[rng.integers(0, len(gains), size=(samples, len(gains)))].mean(axis=1)
+    means = np.empty(samples)
+    per_chunk = max(1, _BOOTSTRAP_DRAWS_AT_ONCE // len(gains))  # bounded memory on a large test split
+    for start in range(0, samples, per_chunk):
+        size = min(per_chunk, samples - start)
+        means[start : start + size] = gains[rng.integers(0, len(gains), size=(size, len(gains)))].mean(axis=1)
     return {"gain": float(gains.mean()), "low": float(np.percentile(means, 2.5)),
             "high": float(np.percentile(means, 97.5)), "items": len(gains)}
 
