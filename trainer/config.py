@@ -380,8 +380,8 @@ class PromotionConfig(Section):
     max_group_drop: float = Field(0.05, ge=0, description="Gate: no group may fall more than this.")
     run_probes: bool = Field(True, description="Gate: reward-hacking probes must all score <= 0.1.")
     bootstrap_samples: int = Field(
-        20000, ge=100, description="Paired bootstrap resamples (20,000: the interval's bounds move by ~0.02 "
-        "point from one seed to another; at 2,000 by ~0.1, enough to decide a gate sitting near a bound).")
+        20000, ge=100, description="Paired bootstrap resamples (20,000: a bound's sd from one seed to another is "
+        "~0.05 point of score on 250 items; at 2,000 ~0.15, enough to decide a gate sitting near a bound).")
     concurrent_runs: Literal["wait", "stop"] = Field(
         "wait", description="Another run training or promoting the same registered model: wait for it, or stop."
     )
