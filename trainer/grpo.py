@@ -320,7 +320,7 @@ class GRPOTrainer:
         kl_by_item = {str(item["id"]): training.kl_coef_of(item) for item in self.train_items}
         self.updater = PolicyUpdate(acc, self.model, self.optimizer, config=self.config, tokenizer=self.tokenizer,
                                     reference=self.reference, temperature=self.temperature,
-                                    kl_coef_of=lambda record: kl_by_item.get(record.item_id, training.kl_coef))
+                                    kl_coef_of=lambda record: kl_by_item[record.item_id])
         from trainer.backends import make_generator
 
         self.generator = self._exit.enter_context(make_generator(self.config, self, self.output_dir))

@@ -32,11 +32,10 @@ class PolicyUpdate:
     """The optimisation half of a GRPO step, on an Accelerate-prepared model."""
 
     def __init__(self, accelerator: Any, model: Any, optimizer: Any, *, config: Any, tokenizer: Any,
-                 reference: Any, temperature: float, kl_coef_of: Callable[[RolloutRecord], float] | None = None):
+                 reference: Any, temperature: float, kl_coef_of: Callable[[RolloutRecord], float]):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.config, self.tokenizer, self.reference, self.temperature = config, tokenizer, reference, temperature
-        # A rollout's KL coefficient (`training.kl_coef_by_group`); the same for all by default.
-        self.kl_coef_of = kl_coef_of or (lambda record: config.training.kl_coef)
+        self.kl_coef_of = kl_coef_of  # a rollout's KL coefficient (`training.kl_coef_by_group`)
 
     def update(self, records: list[RolloutRecord], advantages: list[float | None], step: int) -> dict[str, float]:
         """`ppo_epochs` passes of clipped policy-gradient updates over the rollouts that

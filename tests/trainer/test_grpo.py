@@ -438,8 +438,7 @@ def test_kl_coef_by_group_over_every_items_group_trains_as_the_same_kl_coef(worl
                            ("kl_none", {"kl_coef": 0.0})):
         config = micro_config(world, endpoints, max_steps=1, eval_samples=1, ppo_epochs=2, **training)
         weights.append(_weights(train(config, model_path=str(taught_model), output_dir=world / name).model_dir))
-    same = [torch.equal(weights[0][k], weights[1][k]) for k in weights[0]]
-    assert all(same)
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert not all(torch.equal(weights[0][k], weights[2][k]) for k in weights[0])  # the KL term moved them
 
 
