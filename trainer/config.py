@@ -303,11 +303,17 @@ class TrainingConfig(Section):
     ppo_epochs: int = Field(1, ge=1, description="Optimisation passes over each batch of rollouts.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty against the frozen reference.")
     group_by: str | None = Field(
-        None, description="Item field that groups the training items (e.g. category) for kl_coef_by_group."
+        None, description="Item field that groups the training items (e.g. category) for kl_coef_by_group "
+        "and group_weights."
     )
     kl_coef_by_group: dict[str, NonNegativeFloat] = Field(
         default_factory=dict, description="KL coefficient per group of training items (by group_by), in place "
         "of kl_coef for that group's rollouts: hold the base model's behaviour only where a group needs it."
+    )
+    group_weights: dict[str, PositiveFloat] = Field(
+        default_factory=dict, description="Sampling weight per group of training items (by group_by; 1 for groups "
+        "not named): each epoch's order is a weighted shuffle, so a heavier group's items come earlier and a run "
+        "shorter than an epoch trains on more of them; every item still comes once an epoch."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="After warmup.")
@@ -344,12 +350,19 @@ class TrainingConfig(Section):
 
     @model_validator(mode="after")
     def _groups_have_a_field(self) -> TrainingConfig:
-        if self.kl_coef_by_group and not self.group_by:
-            raise ConfigError(
-                "training.kl_coef_by_group names groups but training.group_by is not set: name the item field "
-                "that holds the group (e.g. group_by: category)"
-            )
+        for key in ("kl_coef_by_group", "group_weights"):
+            if getattr(self, key) and not self.group_by:
+                raise ConfigError(
+                    f"training.{key} names groups but training.group_by is not set: name the item field "
+                    "that holds the group (e.g. group_by: category)"
+                )
         return self
+
+    def weight_of(self, item: dict[str, Any]) -> float:
+        """An item's sampling weight: its group's, else 1."""
+        if not self.group_by or self.group_by not in item:
+            return 1.0
+        return self.group_weights.get(str(item[self.group_by]), 1.0)
 
     def kl_coef_of(self, item: dict[str, Any]) -> float:
         """The KL coefficient of an item's rollouts: its group's, else kl_coef."""

@@ -118,23 +118,25 @@ def refuse_sharded_launch(accelerate_config: str | None) -> None:
         raise sharded_error(f"training.accelerate_config {path}: {kind or 'DeepSpeed/FSDP'}")
 
 
-def check_kl_groups(training: Any, items: list[dict[str, Any]], file: str) -> None:
-    """Every group `training.kl_coef_by_group` names occurs in the training items: a
-    misspelt group would silently train without its KL term."""
-    if not training.kl_coef_by_group:
-        return
-    found = {str(item[training.group_by]) for item in items if training.group_by in item}
-    if not found:
-        raise ConfigError(
-            f"{file}: no training item has the field {training.group_by!r} that training.group_by names; "
-            "name a field the items have or drop training.kl_coef_by_group"
-        )
-    unknown = sorted(set(training.kl_coef_by_group) - found)
-    if unknown:
-        raise ConfigError(
-            f"training.kl_coef_by_group: group(s) {unknown} do not occur in {file} (field "
-            f"{training.group_by!r} has {sorted(found)}); fix the names"
-        )
+def check_groups(training: Any, items: list[dict[str, Any]], file: str) -> None:
+    """Every group that `training.kl_coef_by_group` or `training.group_weights` names occurs in
+    the training items: a misspelt group would silently train without its KL term or weight."""
+    for key in ("kl_coef_by_group", "group_weights"):
+        named = getattr(training, key)
+        if not named:
+            continue
+        found = {str(item[training.group_by]) for item in items if training.group_by in item}
+        if not found:
+            raise ConfigError(
+                f"{file}: no training item has the field {training.group_by!r} that training.group_by names; "
+                f"name a field the items have or drop training.{key}"
+            )
+        unknown = sorted(set(named) - found)
+        if unknown:
+            raise ConfigError(
+                f"training.{key}: group(s) {unknown} do not occur in {file} (field "
+                f"{training.group_by!r} has {sorted(found)}); fix the names"
+            )
 
 
 def sharded_error(what: str) -> ConfigError:
@@ -143,19 +145,31 @@ def sharded_error(what: str) -> ConfigError:
 
 
 class DataOrder:
-    """Which items each step trains on: every epoch a seeded permutation, cut in batches."""
+    """Which items each step trains on: every epoch a seeded permutation, cut in batches.
 
-    def __init__(self, n_items: int, batch_size: int, seed: int):
+    With `weights` (one per item) the permutation is a weighted shuffle (Efraimidis-Spirakis:
+    item i's key is u_i ** (1 / w_i), in descending order), so heavier items tend to come
+    earlier in the epoch; every item still comes exactly once an epoch."""
+
+    def __init__(self, n_items: int, batch_size: int, seed: int, weights: list[float] | None = None):
+        if weights is not None and len(weights) != n_items:
+            raise ValueError(f"DataOrder: {len(weights)} weights for {n_items} items")
         self.n_items = n_items
         self.batch_size = batch_size
         self.seed = seed
+        self.weights = weights
         self.steps_per_epoch = n_items // batch_size
         self._orders: dict[int, list[int]] = {}
 
     def order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
-            order = list(range(self.n_items))
-            random.Random(f"{self.seed}:epoch:{epoch}").shuffle(order)
+            rng = random.Random(f"{self.seed}:epoch:{epoch}")
+            if self.weights is None:
+                order = list(range(self.n_items))
+                rng.shuffle(order)
+            else:
+                keys = [rng.random() ** (1.0 / w) for w in self.weights]
+                order = sorted(range(self.n_items), key=lambda i: -keys[i])
             self._orders[epoch] = order
         return self._orders[epoch]
 
@@ -264,14 +278,15 @@ class GRPOTrainer:
         self.eval_items = validation[: self.hp["eval_samples"]]
         for items, file in ((self.train_items, data.train_file), (validation, data.validation_file)):
             check_tool_call_costs(self.settings.tool_call_costs, items, file, self.config.tools.schemas)
-        check_kl_groups(training, self.train_items, data.train_file)
+        check_groups(training, self.train_items, data.train_file)
         batch_size = self.hp["batch_size"]
         if batch_size % acc.num_processes:
             raise ConfigError(
                 f"training.batch_size ({batch_size}) must be a multiple of the {acc.num_processes} "
                 "processes: each process runs whole groups"
             )
-        self.data = DataOrder(len(self.train_items), batch_size, training.seed)
+        weights = [training.weight_of(item) for item in self.train_items] if training.group_weights else None
+        self.data = DataOrder(len(self.train_items), batch_size, training.seed, weights)
         if self.data.steps_per_epoch == 0:
             raise ConfigError(
                 f"training.batch_size ({batch_size}) exceeds the {len(self.train_items)} training items "
