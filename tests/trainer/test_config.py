@@ -202,15 +202,47 @@ def test_kl_coef_by_group_needs_a_group_field_and_falls_back_to_kl_coef() -> Non
     assert not minimal(training={}).training.uses_reference
 
 
-def test_kl_groups_must_occur_in_the_training_items() -> None:
-    from trainer.grpo import check_kl_groups
+def test_groups_must_occur_in_the_training_items() -> None:
+    from trainer.grpo import check_groups
 
     items = [{"id": "a", "category": "ratio"}, {"id": "b", "category": "change"}]
-    training = minimal(training={"group_by": "category", "kl_coef_by_group": {"ratios": 0.1}}).training
-    with pytest.raises(ConfigError, match=r"\['ratios'\] do not occur in data/train.jsonl .*\['change', 'ratio'\]"):
-        check_kl_groups(training, items, "data/train.jsonl")
-    training = minimal(training={"group_by": "kind", "kl_coef_by_group": {"ratio": 0.1}}).training
-    with pytest.raises(ConfigError, match="data/train.jsonl: no training item has the field 'kind'"):
-        check_kl_groups(training, items, "data/train.jsonl")
-    check_kl_groups(minimal(training={"group_by": "category", "kl_coef_by_group": {"ratio": 0.1}}).training,
-                    items, "data/train.jsonl")
+    for key, value in (("kl_coef_by_group", 0.1), ("group_weights", 2.0)):
+        training = minimal(training={"group_by": "category", key: {"ratios": value}}).training
+        with pytest.raises(ConfigError, match=rf"training.{key}: group\(s\) \['ratios'\] do not occur in "
+                           r"data/train.jsonl .*\['change', 'ratio'\]"):
+            check_groups(training, items, "data/train.jsonl")
+        training = minimal(training={"group_by": "kind", key: {"ratio": value}}).training
+        with pytest.raises(ConfigError, match=rf"data/train.jsonl: no training item has the field 'kind'.*{key}"):
+            check_groups(training, items, "data/train.jsonl")
+        check_groups(minimal(training={"group_by": "category", key: {"ratio": value}}).training,
+                     items, "data/train.jsonl")
+
+
+def test_group_weights_need_group_by_and_positive_weights() -> None:
+    with pytest.raises(ConfigError, match="training.group_weights names groups but training.group_by is not set"):
+        minimal(training={"group_weights": {"ratio": 2.0}})
+    with pytest.raises(ConfigError, match="group_weights"):
+        minimal(training={"group_by": "category", "group_weights": {"ratio": 0}})
+    training = minimal(training={"group_by": "category", "group_weights": {"ratio": 3.0}}).training
+    assert training.weight_of({"category": "ratio"}) == 3.0
+    assert training.weight_of({"category": "change"}) == 1.0
+    assert training.weight_of({"id": "x"}) == 1.0
+
+
+def test_weighted_order_puts_heavier_items_first_and_keeps_every_item_once_an_epoch() -> None:
+    from trainer.grpo import DataOrder
+
+    n = 1000
+    weights = [3.0 if i % 4 == 0 else 1.0 for i in range(n)]  # a quarter of the items, three times as heavy
+    data = DataOrder(n, 10, seed=7, weights=weights)
+    for epoch in (0, 1):
+        order = data.order(epoch)
+        assert sorted(order) == list(range(n))  # a permutation: every item once
+        heavy_first = sum(i % 4 == 0 for i in order[:200]) / 200
+        assert heavy_first > 0.4  # 0.25 unweighted; about 3/6 = 0.5 expected at the start of the order
+    assert data.order(0) != data.order(1)
+    assert DataOrder(n, 10, seed=7, weights=weights).order(0) == data.order(0)  # seeded
+    plain = DataOrder(n, 10, seed=7)
+    assert sum(i % 4 == 0 for i in plain.order(0)[:200]) / 200 < 0.35
+    with pytest.raises(ValueError, match="3 weights for 1000 items"):
+        DataOrder(n, 10, seed=7, weights=[1.0, 1.0, 1.0])
