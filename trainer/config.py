@@ -358,17 +358,17 @@ class TrainingConfig(Section):
                 )
         return self
 
+    def group_of(self, item: dict[str, Any]) -> str | None:
+        """An item's group (its group_by field as text), or None."""
+        return str(item[self.group_by]) if self.group_by and self.group_by in item else None
+
     def weight_of(self, item: dict[str, Any]) -> float:
         """An item's sampling weight: its group's, else 1."""
-        if not self.group_by or self.group_by not in item:
-            return 1.0
-        return self.group_weights.get(str(item[self.group_by]), 1.0)
+        return self.group_weights.get(self.group_of(item), 1.0)
 
     def kl_coef_of(self, item: dict[str, Any]) -> float:
         """The KL coefficient of an item's rollouts: its group's, else kl_coef."""
-        if not self.group_by or self.group_by not in item:
-            return self.kl_coef
-        return self.kl_coef_by_group.get(str(item[self.group_by]), self.kl_coef)
+        return self.kl_coef_by_group.get(self.group_of(item), self.kl_coef)
 
     @property
     def uses_reference(self) -> bool:

@@ -121,11 +121,11 @@ def refuse_sharded_launch(accelerate_config: str | None) -> None:
 def check_groups(training: Any, items: list[dict[str, Any]], file: str) -> None:
     """Every group that `training.kl_coef_by_group` or `training.group_weights` names occurs in
     the training items: a misspelt group would silently train without its KL term or weight."""
+    found = {training.group_of(item) for item in items} - {None}
     for key in ("kl_coef_by_group", "group_weights"):
         named = getattr(training, key)
         if not named:
             continue
-        found = {str(item[training.group_by]) for item in items if training.group_by in item}
         if not found:
             raise ConfigError(
                 f"{file}: no training item has the field {training.group_by!r} that training.group_by names; "
