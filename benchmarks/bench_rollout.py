@@ -43,7 +43,6 @@ import torch
 
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import local_tool_endpoints
-from trainer.chat_format import parse_assistant_output
 from trainer.config import load_config
 from trainer.data import split_items
 from trainer.policy import load_policy
@@ -72,7 +71,7 @@ def engine_run(world: World, endpoints, k: int, max_concurrent: int, seed: int =
     async def go():
         async with ToolClient(endpoints, world.tools, max_output_chars=world.max_output_chars) as client:
             return await run_rollouts_async(
-                backend, policy.tokenizer, world.items, n_per_item=k, tool_client=client,
+                backend, policy.chat, world.items, n_per_item=k, tool_client=client,
                 grader=world.grader, settings=settings, tools=world.tools, max_concurrent=max_concurrent,
             )
 
@@ -86,7 +85,7 @@ def engine_run(world: World, endpoints, k: int, max_concurrent: int, seed: int =
 
 def sequential_run(world: World, endpoints, k: int, seed: int = 0) -> dict:
     """One rollout at a time; every turn re-renders and re-encodes the whole conversation."""
-    model, tokenizer, settings = world.policy.model, world.policy.tokenizer, world.settings
+    model, tokenizer, chat, settings = world.policy.model, world.policy.tokenizer, world.policy.chat, world.settings
     stop = world.policy.stop_token_ids  # the engine's stop tokens
     model.eval()
     torch.manual_seed(seed)
@@ -111,7 +110,7 @@ def sequential_run(world: World, endpoints, k: int, seed: int = 0) -> dict:
             turns += 1
             if not new or new[-1] not in stop:
                 break  # cut by the token limit: neither a call nor an answer
-            parsed = parse_assistant_output(tokenizer.decode(new, skip_special_tokens=True), first_call_index=calls)
+            parsed = chat.parse(new, first_call_index=calls)
             if not parsed.tool_calls and not parsed.errors:
                 break  # the final answer
             if parsed.errors or any(client.check_call(c.name, c.arguments, item=item) for c in parsed.tool_calls):

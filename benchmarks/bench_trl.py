@@ -261,7 +261,7 @@ def eval_score(model_dir: str, world: TaughtWorld, endpoints: list[ToolEndpoint]
     policy = load_policy(model_dir, device="cpu", dtype="float32")
     settings = RolloutSettings.from_config(config.rollout, config.penalties)
     backend = policy.backend(max_slots=64, max_len=config.rollout.max_total_tokens, seed=EVAL_SEED)
-    summary, _ = run_evaluation(backend, policy.tokenizer, world.items(split), k=k,
+    summary, _ = run_evaluation(backend, policy.chat, world.items(split), k=k,
                                 tool_client=ToolClient.from_config(config.tools, endpoints, seed=EVAL_SEED),
                                 grader=GRADER, settings=settings, tools=TOOLS, log=lambda _: None)
     m = summary.metrics

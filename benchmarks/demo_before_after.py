@@ -48,7 +48,7 @@ def evaluate(config, model: str, items: list[dict], k: int, prefix: str) -> Eval
     backend = policy.backend(max_slots=config.rollout.max_concurrent_rollouts,
                              max_len=config.rollout.max_total_tokens, seed=seed)
     summary, _ = run_evaluation(
-        backend, policy.tokenizer, items, k=k, tool_client=ToolClient.from_config(config.tools, seed=seed),
+        backend, policy.chat, items, k=k, tool_client=ToolClient.from_config(config.tools, seed=seed),
         grader=config.grader, settings=RolloutSettings.from_config(config.rollout, config.penalties),
         tools=config.tools.schemas, max_concurrent=config.rollout.max_concurrent_rollouts, prefix=prefix,
     )

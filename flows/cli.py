@@ -167,7 +167,7 @@ def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
     from tasks.tracking import resolve_tracking_uri
     from trainer.data import split_items
     from trainer.evaluate import run_evaluation, write_outputs
-    from trainer.policy import load_policy, local_model_path
+    from trainer.policy import load_config_policy, local_model_path
     from trainer.rollout import RolloutSettings
     from trainer.tools import ToolClient
 
@@ -175,13 +175,12 @@ def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
     if split not in ("validation", "test"):
         raise AgentRFTError(f"--split must be validation or test, got {split!r}")
     items = split_items(c.data, split, max_items or c.baseline.max_items)
-    policy = load_policy(local_model_path(model or c.model.base_model,
-                                          tracking_uri=resolve_tracking_uri(c.mlflow.tracking_uri)),
-                         device=c.model.device, dtype=c.model.dtype)
+    policy = load_config_policy(c.model, local_model_path(model or c.model.base_model,
+                                                          tracking_uri=resolve_tracking_uri(c.mlflow.tracking_uri)))
     backend = policy.backend(max_slots=c.rollout.max_concurrent_rollouts, max_len=c.rollout.max_total_tokens,
                              seed=c.baseline.seed)
     summary, records = run_evaluation(
-        backend, policy.tokenizer, items, k=k or c.baseline.k, tool_client=ToolClient.from_config(c.tools),
+        backend, policy.chat, items, k=k or c.baseline.k, tool_client=ToolClient.from_config(c.tools),
         grader=c.grader, settings=RolloutSettings.from_config(c.rollout, c.penalties), tools=c.tools.schemas,
         max_concurrent=c.rollout.max_concurrent_rollouts, prefix="eval", group_by=c.promotion.group_by,
     )
@@ -249,13 +248,19 @@ def serve_model(model: Annotated[str, typer.Option(help="Local path, hub id or m
                 max_len: Annotated[int, typer.Option(help="Context length served.")] = 4096,
                 api_key: Annotated[str | None, typer.Option(help="Require this key (or ${VAR}).")] = None,
                 tracking_uri: Annotated[str, typer.Option(help="MLflow store for models:/ URIs.")] =
-                "sqlite:///mlflow.db") -> None:
+                "sqlite:///mlflow.db",
+                chat_format: Annotated[str, typer.Option(help="auto, qwen3, qwen2.5, llama3, mistral, gpt-oss or "
+                                                              "template (as model.chat_format).")] = "auto",
+                enable_thinking: Annotated[bool | None, typer.Option(
+                    "--enable-thinking/--disable-thinking", help="qwen3: think before answering (default: "
+                    "the template's).")] = None) -> None:
     """Serve a model with an OpenAI-compatible chat API (/v1/chat/completions, tool calls)."""
     from tasks.tracking import resolve_tracking_uri
     from trainer.model_server import serve_model as serve_chat
 
     serve_chat(model, host=host, port=port, device=device, max_len=max_len, api_key=api_key,
-               tracking_uri=resolve_tracking_uri(tracking_uri))
+               tracking_uri=resolve_tracking_uri(tracking_uri), chat_format=chat_format,
+               enable_thinking=enable_thinking)
 
 
 # --- configs, expectations, graders ---------------------------------------------------------
@@ -264,9 +269,30 @@ def serve_model(model: Annotated[str, typer.Option(help="Local path, hub id or m
 @config_app.command("validate")
 def config_validate(config: Annotated[Path, typer.Argument(help="Pipeline config (YAML).")],
                     set_: SetOption = None) -> None:
-    """Validate a pipeline config (keys, types, graders, tool schemas, ${VAR} headers)."""
+    """Validate a pipeline config (keys, types, graders, tool schemas, ${VAR} headers) and
+    say which chat format the model's tokenizer gets."""
     loaded = _config(config, set_)
-    print(json.dumps({"config": str(config), "valid": True, "hash": loaded.section_hash()}))
+    print(json.dumps({"config": str(config), "valid": True, "hash": loaded.section_hash(),
+                      **_chat_format_report(loaded)}))
+
+
+def _chat_format_report(config: Any) -> dict[str, Any]:
+    """The chat format the model gets, read from its tokenizer alone (no weights); where
+    the tokenizer cannot be had here (a hub id with no hub), what will decide it."""
+    from tasks.tracking import resolve_tracking_uri
+    from trainer.chat_formats import describe, load_chat_format
+    from trainer.modeling import load_tokenizer
+    from trainer.policy import local_model_path
+
+    model = config.model
+    try:
+        tokenizer = load_tokenizer(local_model_path(model.base_model,
+                                                    tracking_uri=resolve_tracking_uri(config.mlflow.tracking_uri)))
+    except AgentRFTError as exc:
+        return {"chat_format": model.chat_format, "chat_format_detected": None,
+                "chat_format_note": f"decided when the model loads: {exc}"}
+    chat = load_chat_format(tokenizer, model.chat_format, enable_thinking=model.enable_thinking)
+    return {**describe(chat), "chat_format_setting": model.chat_format}
 
 
 @expectations_app.command("derive")

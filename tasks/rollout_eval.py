@@ -58,10 +58,10 @@ def evaluate_model(
     embedded engine or on vLLM servers (`rollout.backend`)."""
     from contextlib import ExitStack
 
-    from trainer.policy import load_policy, local_model_path
+    from trainer.policy import load_config_policy, local_model_path
 
     local = local_model_path(model, tracking_uri=ctx.tracking_uri)
-    policy = load_policy(local, device=model_section.device, dtype=model_section.dtype)
+    policy = load_config_policy(model_section, local)
     with ExitStack() as stack:
         if rollout.backend == "vllm":
             from trainer.vllm_backend import vllm_eval_backend
@@ -73,7 +73,7 @@ def evaluate_model(
             backend = policy.backend(max_slots=rollout.max_concurrent_rollouts, max_len=rollout.max_total_tokens,
                                      seed=seed)
         return run_evaluation(
-            backend, policy.tokenizer, items, k=k, tool_client=ToolClient.from_config(tools, seed=seed),
+            backend, policy.chat, items, k=k, tool_client=ToolClient.from_config(tools, seed=seed),
             grader=grader, settings=RolloutSettings.from_config(rollout, penalties), tools=tools.schemas,
             max_concurrent=rollout.max_concurrent_rollouts, prefix=prefix, group_by=group_by, log=log,
         )

@@ -61,6 +61,15 @@ class ModelConfig(Section):
         "auto", description="Weights dtype: auto picks bfloat16 on a GPU and float32 on CPU."
     )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    chat_format: Literal["auto", "qwen3", "qwen2.5", "llama3", "mistral", "gpt-oss", "template"] = Field(
+        "auto", description="How messages become tokens and sampled tokens become tool calls: the model's "
+        "family, or 'template' for any other prefix-stable chat template. auto detects the family from the "
+        "tokenizer's template; every choice is checked against the template when the model loads."
+    )
+    enable_thinking: bool | None = Field(
+        None, description="qwen3 only: think before answering (true) or not (false); unset, the template's "
+        "default (Qwen3: on). Reasoning tokens are trained like any sampled token and counted apart."
+    )
 
 
 class DataConfig(Section):

@@ -91,6 +91,7 @@ def summarize(
     scored = [r for r in records if r.score is not None]
     tool_calls = [len(r.tool_calls) for r in records if r.status != "infra_error"]
     tokens = [r.tokens_generated for r in records if r.status != "infra_error"]
+    reasoning = [r.reasoning_tokens for r in records if r.status != "infra_error"]
     latency = [r.latency_s for r in records if r.status != "infra_error"]
     status_counts = dict(Counter(r.status for r in records))
     grader_errors = dict(Counter(kind for r in records for kind in r.grader_errors))
@@ -108,6 +109,7 @@ def summarize(
         "tool_calls_p95": _percentile(tool_calls, 95),
         "tool_calls_max": float(max(tool_calls)) if tool_calls else 0.0,
         "tokens_mean": float(np.mean(tokens)) if tokens else 0.0,
+        "reasoning_tokens_mean": float(np.mean(reasoning)) if reasoning else 0.0,
         "latency_s_mean": float(np.mean(latency)) if latency else 0.0,
         "latency_s_p50": _percentile(latency, 50),
         "latency_s_p95": _percentile(latency, 95),
@@ -173,7 +175,7 @@ def write_outputs(summary: EvalSummary, records: Sequence[RolloutRecord], out_di
 
 def run_evaluation(
     backend: Any,
-    tokenizer: Any,
+    chat: Any,
     items: Sequence[dict[str, Any]],
     *,
     k: int,
@@ -198,7 +200,7 @@ def run_evaluation(
         async def go() -> list[RolloutRecord]:
             async with tool_client:
                 return await run_rollouts_async(
-                    backend, tokenizer, items, n_per_item=k, tool_client=tool_client, grader=grader,
+                    backend, chat, items, n_per_item=k, tool_client=tool_client, grader=grader,
                     settings=settings, tools=tools, max_concurrent=max_concurrent,
                     progress=lambda done, _total: progress.set_done(done),
                 )

@@ -85,7 +85,7 @@ from trainer.evaluate import summarize
 from trainer.loss import batch_advantages, derived_seed, lr_factor
 from trainer.metrics import MetricsSink
 from trainer.plots import plot_training
-from trainer.policy import load_policy, local_model_path
+from trainer.policy import load_config_policy, local_model_path
 from trainer.progress import Progress
 from trainer.rollout import (
     RolloutRecord,
@@ -302,8 +302,9 @@ class GRPOTrainer:
         # resolved URI into the config it hands over); MLFLOW_TRACKING_URI only when it names none.
         tracking_uri = self.config.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         local = local_model_path(self.model_path, tracking_uri=tracking_uri)
-        policy = load_policy(local, device=str(acc.device), dtype=dtype)
+        policy = load_config_policy(self.config.model, local, device=str(acc.device), dtype=dtype)
         self.tokenizer = policy.tokenizer
+        self.chat = policy.chat
         self.stop_token_ids = policy.stop_token_ids
         model = policy.model
         self.reference = None
@@ -515,7 +516,7 @@ class GRPOTrainer:
         async def run() -> list[RolloutRecord]:
             async with ToolClient.from_config(tools, self.endpoints, seed=seed) as client:
                 return await run_rollouts_async(
-                    backend, self.tokenizer, items, n_per_item=n, tool_client=client, grader=self.config.grader,
+                    backend, self.chat, items, n_per_item=n, tool_client=client, grader=self.config.grader,
                     settings=self.settings, tools=tools.schemas, max_concurrent=rollout.max_concurrent_rollouts,
                     policy_version=version,
                 )

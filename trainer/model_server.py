@@ -26,8 +26,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainer.api_key import RequireApiKey, resolve_api_key
-from trainer.chat_format import parse_assistant_output, tool_calls_to_openai
+from trainer.chat_formats import tool_calls_to_openai
 from trainer.engine import SamplingParams, TurnOutput
+from trainer.errors import ConfigError
 from trainer.policy import Policy, load_policy, load_registered_policy
 
 
@@ -114,7 +115,7 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
 def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, max_len: int = 4096,
                      api_key: str | None = None) -> FastAPI:
     service = EngineService(policy, max_slots=max_slots, max_len=max_len)
-    tokenizer = policy.tokenizer
+    chat_format = policy.chat
     app = FastAPI(title="agentrft model server")
     if api_key:
         app.add_middleware(RequireApiKey, key=api_key)
@@ -137,10 +138,10 @@ def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, ma
         if body.model and body.model != model_name:
             return _error(404, f"model {body.model!r} is not served here; GET /v1/models lists {model_name!r}", "not_found_error")
         messages = [_normalise(m) for m in body.messages]
-        text = tokenizer.apply_chat_template(
-            messages, tools=body.tools or None, add_generation_prompt=True, tokenize=False
-        )
-        prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        try:
+            prompt_ids = chat_format.prompt_ids(messages, body.tools)
+        except ConfigError as exc:  # the model's template refused the conversation
+            return _error(400, str(exc))
         budget = body.max_completion_tokens or body.max_tokens or 512
         if len(prompt_ids) + budget > service.max_len:
             budget = service.max_len - len(prompt_ids)
@@ -148,15 +149,7 @@ def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, ma
                 return _error(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {service.max_len}")
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_new_tokens=budget)
         output = await service.generate(prompt_ids, params)
-        generated = tokenizer.decode(output.token_ids, skip_special_tokens=True)
-        parsed = parse_assistant_output(generated)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
-        finish = "length" if output.finish_reason != "stop" else "stop"
-        if parsed.tool_calls and body.tools:
-            message["tool_calls"] = tool_calls_to_openai(parsed)
-            finish = "tool_calls"
-        elif parsed.tool_calls or parsed.errors:
-            message["content"] = generated  # no tools offered: the text is the answer
+        message, finish = _assistant_reply(chat_format, output, tools_offered=bool(body.tools))
         return JSONResponse(
             {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -175,6 +168,24 @@ def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, ma
     return app
 
 
+def _assistant_reply(chat: Any, output: TurnOutput, *, tools_offered: bool) -> tuple[dict[str, Any], str]:
+    """The OpenAI message and finish_reason of a generated turn. A turn cut by the token
+    limit is `length` with its text as content (a call cut mid-JSON is shown, never lost or
+    passed off as a call); reasoning goes to `reasoning_content`."""
+    if output.finish_reason != "stop":
+        return {"role": "assistant", "content": chat.decode(output.token_ids)}, "length"
+    parsed = chat.parse(output.token_ids)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
+    if parsed.reasoning:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls and tools_offered:
+        message["tool_calls"] = tool_calls_to_openai(parsed.tool_calls)
+        return message, "tool_calls"
+    if parsed.tool_calls or parsed.errors:
+        message["content"] = chat.decode(output.token_ids)  # no tools offered, or a broken call: the text
+    return message, "stop"
+
+
 def _normalise(message: dict[str, Any]) -> dict[str, Any]:
     """OpenAI content parts become text; `developer` is a system message here."""
     message = dict(message)
@@ -190,15 +201,17 @@ def _normalise(message: dict[str, Any]) -> dict[str, Any]:
 
 def serve_model(model: str, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
                 dtype: str = "auto", max_slots: int = 32, max_len: int = 4096, tracking_uri: str | None = None,
-                api_key: str | None = None) -> None:
+                api_key: str | None = None, chat_format: str = "auto", enable_thinking: bool | None = None) -> None:
     """Serve `model`: a path or hub id, or a registry URI loaded through MLflow's
     transformers flavour (`mlflow.transformers.load_model`)."""
     import uvicorn
 
     if model.startswith("models:/"):
-        policy = load_registered_policy(model, tracking_uri=tracking_uri, device=device)
+        policy = load_registered_policy(model, tracking_uri=tracking_uri, device=device, chat_format=chat_format,
+                                        enable_thinking=enable_thinking)
     else:
-        policy = load_policy(model, device=device, dtype=dtype)
+        policy = load_policy(model, device=device, dtype=dtype, chat_format=chat_format,
+                             enable_thinking=enable_thinking)
     app = create_model_app(policy, model_name=model, max_slots=max_slots, max_len=max_len,
                            api_key=resolve_api_key(api_key))
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -48,12 +48,33 @@ def load_model_and_tokenizer(
             tokenizer = AutoTokenizer.from_pretrained(path_or_id)
             model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype or "auto")
     except (OSError, ValueError) as exc:  # missing files / not a model directory
-        offline = os.environ.get("HF_HUB_OFFLINE", "0")
-        raise ConfigError(
-            f"model {path_or_id!r} could not be loaded (HF_HUB_OFFLINE={offline}): it must be "
-            f"a local directory with config.json and tokenizer files, or a hub id that is "
-            f"reachable or already in the Hugging Face cache ({exc})"
-        ) from exc
+        raise _not_loadable(path_or_id, exc) from exc
+    _check_tokenizer(path_or_id, tokenizer)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device), tokenizer
+
+
+def load_tokenizer(path_or_id: str) -> PreTrainedTokenizerBase:
+    """The model's tokenizer alone (what choosing its chat format needs), no weights."""
+    try:
+        with _LOADING:
+            tokenizer = AutoTokenizer.from_pretrained(path_or_id)
+    except (OSError, ValueError) as exc:
+        raise _not_loadable(path_or_id, exc) from exc
+    _check_tokenizer(path_or_id, tokenizer)
+    return tokenizer
+
+
+def _not_loadable(path_or_id: str, exc: Exception) -> ConfigError:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0")
+    return ConfigError(
+        f"model {path_or_id!r} could not be loaded (HF_HUB_OFFLINE={offline}): it must be "
+        f"a local directory with config.json and tokenizer files, or a hub id that is "
+        f"reachable or already in the Hugging Face cache ({exc})"
+    )
+
+
+def _check_tokenizer(path_or_id: str, tokenizer: PreTrainedTokenizerBase) -> None:
     if not tokenizer.chat_template:
         raise ConfigError(
             f"model {path_or_id!r} has no chat template in its tokenizer; use a chat "
@@ -61,5 +82,3 @@ def load_model_and_tokenizer(
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device), tokenizer

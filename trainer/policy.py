@@ -1,8 +1,9 @@
-"""The policy: a chat model, its tokenizer and a generation backend over them.
+"""The policy: a chat model, its tokenizer, its chat format and a generation backend over them.
 
 `load_policy` takes a local path or a hub id (the demo's bootstrapped model is a local
 path), puts the model on the GPU when there is one (bf16 there, float32 on CPU unless the
-config says otherwise), and builds the KV-cache-keeping generation engine for rollouts.
+config says otherwise), checks its chat format against its template, and builds the
+KV-cache-keeping generation engine for rollouts.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from trainer.chat_formats import ChatFormat, load_chat_format
 from trainer.engine import TransformersBackend
 from trainer.errors import ConfigError
 from trainer.modeling import load_model_and_tokenizer
@@ -35,10 +37,16 @@ class Policy:
     model: Any
     tokenizer: Any
     path: str
+    chat: ChatFormat | None = None  # None: the family `auto` detects from the tokenizer
+
+    def __post_init__(self) -> None:
+        if self.chat is None:
+            self.chat = load_chat_format(self.tokenizer)
 
     @property
     def stop_token_ids(self) -> list[int]:
-        ids = {self.tokenizer.eos_token_id}
+        """The chat format's end-of-turn tokens and the model's own eos ids."""
+        ids = {self.tokenizer.eos_token_id, *self.chat.stop_token_ids}
         generation_config = getattr(self.model, "generation_config", None)
         extra = getattr(generation_config, "eos_token_id", None)
         if isinstance(extra, int):
@@ -54,12 +62,23 @@ class Policy:
         )
 
 
-def load_policy(path_or_id: str, *, device: str = "auto", dtype: str = "auto") -> Policy:
+def load_policy(path_or_id: str, *, device: str = "auto", dtype: str = "auto", chat_format: str = "auto",
+                enable_thinking: bool | None = None) -> Policy:
     target = pick_device(device)
     model, tokenizer = load_model_and_tokenizer(str(path_or_id), device=target, dtype=pick_dtype(dtype, target))
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         model.config._attn_implementation = "sdpa"
-    return Policy(model=model, tokenizer=tokenizer, path=str(path_or_id))
+    chat = load_chat_format(tokenizer, chat_format, enable_thinking=enable_thinking)
+    return Policy(model=model, tokenizer=tokenizer, path=str(path_or_id), chat=chat)
+
+
+def load_config_policy(model_section: Any, path_or_id: str | None = None, *, device: str | None = None,
+                       dtype: str | None = None) -> Policy:
+    """The policy a config's `model` section describes (another path, device or dtype may
+    stand in for the section's)."""
+    return load_policy(path_or_id or model_section.base_model, device=device or model_section.device,
+                       dtype=dtype or model_section.dtype, chat_format=model_section.chat_format,
+                       enable_thinking=model_section.enable_thinking)
 
 
 def use_mlflow_store(tracking_uri: str) -> None:
@@ -98,7 +117,8 @@ def local_model_path(uri: str, *, tracking_uri: str | None = None, cache_dir: Pa
     return str(configs[0].parent)
 
 
-def load_registered_policy(uri: str, *, tracking_uri: str | None = None, device: str = "auto") -> Policy:
+def load_registered_policy(uri: str, *, tracking_uri: str | None = None, device: str = "auto",
+                           chat_format: str = "auto", enable_thinking: bool | None = None) -> Policy:
     """A registered model loaded through MLflow's transformers flavour."""
     import mlflow
 
@@ -111,4 +131,5 @@ def load_registered_policy(uri: str, *, tracking_uri: str | None = None, device:
     model, tokenizer = components["model"], components["tokenizer"]
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return Policy(model=model.to(pick_device(device)).eval(), tokenizer=tokenizer, path=uri)
+    chat = load_chat_format(tokenizer, chat_format, enable_thinking=enable_thinking)
+    return Policy(model=model.to(pick_device(device)).eval(), tokenizer=tokenizer, path=uri, chat=chat)

@@ -1,10 +1,12 @@
 """The agent loop: many rollouts at once, tools called while other rollouts decode.
 
-A rollout renders the conversation with the tokenizer's chat template and the tool
-schemas, generates one assistant turn, parses Hermes-style `<tool_call>` blocks, runs the
-calls of that turn concurrently through the tool client, appends the `tool` messages and
-continues, until a final answer (a turn without tool calls), the tool-call budget
-(`max_episode_steps`), the turn limit, a turn cut short or a malformed call.
+A rollout renders its first prompt with the model's chat format (trainer/chat_formats:
+the tokenizer's template and the tool schemas), generates one assistant turn, parses it in
+the family's syntax (reasoning, content, tool calls), runs the calls of that turn
+concurrently through the tool client, appends the ids of the `tool` messages and the next
+generation prompt to the ids it sampled (never re-tokenising them) and continues, until a
+final answer (a turn without tool calls), the tool-call budget (`max_episode_steps`), the
+turn limit, a turn cut short or a malformed call.
 
 The rules a rollout lives by, and why (`RolloutSettings`):
 - A malformed call (a `<tool_call>` block that does not parse, an unknown tool, arguments
@@ -43,13 +45,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer.chat_format import (
-    ParsedToolCall,
-    ParsedTurn,
-    assistant_turn_end,
-    continuation_text,
-    parse_assistant_output,
-)
+from trainer.chat_formats import ChatFormat, ParsedToolCall, ParsedTurn, assistant_message
 from trainer.engine import GenerationBackend, SamplingParams, TurnOutput
 from trainer.errors import ConfigError, InfraError
 from trainer.graders import grade_async, sample_from_text
@@ -84,6 +80,7 @@ class RolloutRecord:
     grader_errors: dict[str, str] = field(default_factory=dict)
     sub_rewards: dict[str, float] = field(default_factory=dict)
     tokens_generated: int = 0
+    reasoning_tokens: int = 0  # of tokens_generated, those inside the model's reasoning
     turns: int = 0
     latency_s: float = 0.0
     malformed_tool_calls: int = 0
@@ -244,11 +241,8 @@ def compute_reward(record: RolloutRecord, settings: RolloutSettings) -> None:
 class _Driver:
     """Owns the backend: applies submissions between steps and wakes waiting rollouts."""
 
-    def __init__(self, backend: GenerationBackend, turn_end: str):
+    def __init__(self, backend: GenerationBackend):
         self.backend = backend
-        # What the chat template writes after an assistant turn (ChatML: "<|im_end|>\n");
-        # rendered once here, not on every turn of every rollout.
-        self.turn_end = turn_end
         self.waiting: dict[str, asyncio.Future[TurnOutput]] = {}
         self.queue: list[tuple[str, list[int], SamplingParams]] = []
         self.wake = asyncio.Event()
@@ -277,13 +271,9 @@ class _Driver:
                     future.set_result(output)
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 async def _one_rollout(
     driver: _Driver,
-    tokenizer: Any,
+    chat: ChatFormat,
     item: dict[str, Any],
     sample_index: int,
     *,
@@ -318,11 +308,9 @@ async def _one_rollout(
     async with slots:
         started = time.perf_counter()
         record.started_at = time.time()
-        append_ids = _encode(
-            tokenizer, continuation_text(tokenizer, messages, tools, n_done=0)
-        )
+        append_ids = chat.prompt_ids(messages, tools)
         try:
-            await _loop_turns(driver, tokenizer, record, item, append_ids, params, tools, tool_client, settings, seq_id)
+            await _loop_turns(driver, chat, record, item, append_ids, params, tools, tool_client, settings, seq_id)
         finally:
             if record.token_ids:  # a sequence exists once its first turn was submitted
                 driver.backend.release(seq_id)
@@ -351,7 +339,7 @@ def _sort_calls(
 
 async def _loop_turns(
     driver: _Driver,
-    tokenizer: Any,
+    chat: ChatFormat,
     record: RolloutRecord,
     item: dict[str, Any],
     append_ids: list[int],
@@ -382,15 +370,16 @@ async def _loop_turns(
         record.tokens_generated += len(output.token_ids)
         record.turn_tokens.append(len(output.token_ids))
         record.turns += 1
-        text = tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        parsed = chat.parse(output.token_ids, first_call_index=len(record.tool_calls) + record.malformed_tool_calls)
+        record.reasoning_tokens += parsed.reasoning_tokens
         if output.finish_reason != "stop":
-            # Cut by the turn's token limit or the context: neither a call nor an answer.
+            # Cut by the turn's token limit or the context: neither a call nor an answer,
+            # kept whole as the text it is (a call cut mid-JSON stays visible, never lost).
             record.finish_reasons.append("length")
-            messages.append({"role": "assistant", "content": text})
+            messages.append({"role": "assistant", "content": chat.decode(output.token_ids)})
             record.status = "truncated"
             return
-        parsed = parse_assistant_output(text, first_call_index=len(record.tool_calls) + record.malformed_tool_calls)
-        assistant: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        assistant = assistant_message(parsed)
         if not parsed.tool_calls and not parsed.errors:
             record.finish_reasons.append("stop")
             messages.append(assistant)
@@ -398,12 +387,6 @@ async def _loop_turns(
             record.status = "ok"
             return
         record.finish_reasons.append("tool_calls")
-        if parsed.tool_calls:
-            assistant["tool_calls"] = [
-                {"id": call.call_id, "type": "function",
-                 "function": {"name": call.name, "arguments": call.arguments}}
-                for call in parsed.tool_calls
-            ]
         messages.append(assistant)
         valid, malformed = _sort_calls(parsed, tool_client, item)
         record.malformed_tool_calls += len(malformed)
@@ -435,12 +418,9 @@ async def _loop_turns(
             messages.append({"role": "tool", "tool_call_id": call.call_id, "content": result.output})
         for call_id, error in malformed:  # feedback: answered like a 4xx, the model reads what went wrong
             messages.append({"role": "tool", "tool_call_id": call_id, "content": error})
-        # The model sampled the end-of-turn token; the template's turn end may add more
-        # ("\n" after ChatML's <|im_end|>) before the tool responses.
-        end = driver.turn_end
-        stop = tokenizer.eos_token or ""
-        tail = end[len(stop):] if end.startswith(stop) else end
-        append_ids = _encode(tokenizer, tail + continuation_text(tokenizer, messages, tools, n_done=n_done))
+        # The model sampled the end-of-turn token; the format writes what follows it (the
+        # tool results, the next generation prompt) after the sampled ids.
+        append_ids = chat.bridge_ids(messages, n_done, tools)
 
 
 async def _grade(record: RolloutRecord, item: dict[str, Any], grader: dict[str, Any]) -> None:
@@ -457,7 +437,7 @@ async def _grade(record: RolloutRecord, item: dict[str, Any], grader: dict[str, 
 
 async def run_rollouts_async(
     backend: GenerationBackend,
-    tokenizer: Any,
+    chat: ChatFormat,
     items: Sequence[dict[str, Any]],
     *,
     n_per_item: int,
@@ -473,7 +453,7 @@ async def run_rollouts_async(
     order (item 0 samples 0..n-1, item 1, ...). `progress(done, total)` hears of every
     finished rollout."""
     check_tool_call_costs(settings.tool_call_costs, items, "the items to roll out", tools)
-    driver = _Driver(backend, assistant_turn_end(tokenizer))
+    driver = _Driver(backend)
     driver_task = asyncio.create_task(driver.run())
     slots = asyncio.Semaphore(max_concurrent)
     total = len(items) * n_per_item
@@ -490,7 +470,7 @@ async def run_rollouts_async(
     try:
         jobs = [
             tracked(_one_rollout(
-                driver, tokenizer, item, index,
+                driver, chat, item, index,
                 tools=tools if tools is not None else item.get("tools", []),
                 tool_client=tool_client, grader=grader, settings=settings, slots=slots,
                 policy_version=policy_version,

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from trainer.chat_format import assistant_turn_end, continuation_text
+from trainer.chat_formats import load_chat_format
 from trainer.data import read_items
 from trainer.errors import DataError
 from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
@@ -354,14 +354,14 @@ def encode_conversation(
     copy_words: re.Pattern[str] = re.compile(r"(?!)"),
     context_weight: float = 0.0,
 ) -> tuple[list[int], list[float]]:
-    """Token ids and per-token loss weights, built piece by piece exactly as the rollout
-    engine builds them (prompt, generated turn, tool outputs, ...), so the warm start sees
-    the token boundaries the policy will see. Assistant tokens weigh 1, the digits they
-    write (and the `copy_words` they copy, e.g. company tickers) weigh `number_weight`,
-    everything else (prompt, tool outputs) `context_weight`: a little language modelling
-    of the pages and results, whose lines repeat one another, teaches a model trained from
-    scratch to copy out of its context."""
-    end = assistant_turn_end(tokenizer)
+    """Token ids and per-token loss weights, built piece by piece exactly as a rollout
+    builds them (the chat format's prompt, each turn as the model writes it, the tool
+    results and next prompt that follow it), so the warm start sees the token boundaries the
+    policy will see. Assistant tokens weigh 1, the digits they write (and the `copy_words`
+    they copy, e.g. company tickers) weigh `number_weight`, everything else (prompt, tool
+    outputs) `context_weight`: a little language modelling of the pages and results, whose
+    lines repeat one another, teaches a model trained from scratch to copy out of its context."""
+    chat = load_chat_format(tokenizer)
     ids: list[int] = []
     weights: list[float] = []
 
@@ -380,25 +380,17 @@ def encode_conversation(
             in_number = any(a <= start < b for a, b in numbers)
             weights.append(number_weight if in_number else 1.0)
 
-    # Where each assistant turn's text is: rendering a conversation that ends with the
-    # turn, minus the rendering that ends with its generation prompt.
-    done = 0
-    pending_tail = ""
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt_piece = continuation_text(tokenizer, messages[:index], tools, n_done=done)
-        add(pending_tail + prompt_piece, False)
-        full_turn = tokenizer.apply_chat_template(messages[: index + 1], tools=tools, tokenize=False)
-        prompt_text = tokenizer.apply_chat_template(
-            messages[:index], tools=tools, add_generation_prompt=True, tokenize=False
-        )
-        body = full_turn[len(prompt_text) :]
-        stop = tokenizer.eos_token
-        generated = body[: body.index(stop) + len(stop)] if stop in body else body
-        add(generated, True)
-        pending_tail = end[len(stop) :] if end.startswith(stop) else ""
-        done = index + 1
+    first = next(k for k, message in enumerate(messages) if message["role"] == "assistant")
+    add(chat.render(messages[:first], tools, add_generation_prompt=True), False)
+    k = first
+    while k < len(messages):
+        add(chat.assistant_text(messages[:k], messages[k], tools), True)
+        following = k + 1
+        while following < len(messages) and messages[following]["role"] == "tool":
+            following += 1
+        if following < len(messages):  # a later turn: the tool results and its prompt
+            add(chat.bridge_text(messages[:following], k + 1, tools) + chat.generation_prompt, False)
+        k = following
     return ids, weights
 
 

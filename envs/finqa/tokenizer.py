@@ -3,7 +3,7 @@
 No pretrained chat model can be downloaded for the embedded demo, so it trains its own
 tokenizer with the `tokenizers` library and wraps it as a `transformers` fast tokenizer
 that saves, reloads with `AutoTokenizer` and carries the chat template
-(`trainer.chat_format.CHAT_TEMPLATE`, Qwen/Hermes style).
+(`CHAT_TEMPLATE` below: Qwen2.5's Hermes tool format, written compactly).
 
 Choices that help a tiny model learn FinQA-style tool use:
 - every digit is its own token, so numbers are spelled the same way everywhere and
@@ -18,7 +18,7 @@ Choices that help a tiny model learn FinQA-style tool use:
 - the ChatML markers are special tokens (`<|im_end|>` is eos, `<|endoftext|>` is pad) and the
   tool tags `<tool_call>`, `</tool_call>`, `<tool_response>`, `</tool_response>` are added
   tokens that are never split but are not special, so decoding with
-  `skip_special_tokens=True` keeps them for `trainer.chat_format.parse_assistant_output`.
+  `skip_special_tokens=True` keeps them for the chat format's parser (`trainer.chat_formats`).
 
 Training is deterministic: the same texts and arguments give a byte-identical
 `tokenizer.json` (BPE breaks count ties by token id, and ids follow the sorted alphabet).
@@ -41,8 +41,72 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
-from trainer.chat_format import CHAT_TEMPLATE, TOOL_TAGS
+from trainer.chat_formats import TOOL_TAGS
 from trainer.errors import ConfigError
+
+# The demo tokenizer's chat template: the structure of Qwen2.5's (tool schemas in the system
+# turn, `<tool_call>` JSON blocks, tool results as `<tool_response>` blocks in a user turn),
+# so the `qwen2.5` chat format reads it, written more compactly (one signature a line per
+# tool, no spaces in JSON) because the demo model's context is short. `tojson` there is
+# json.dumps with ensure_ascii=False; arguments already a JSON string are written as they are.
+CHAT_TEMPLATE = r"""
+{%- macro text(content) -%}
+  {%- if content is string -%}{{ content }}
+  {%- elif content is iterable and content is not mapping -%}
+    {%- for part in content if part.type == 'text' -%}{{ part.text }}{%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{%- set has_system = messages[0].role == 'system' -%}
+{%- if has_system or tools -%}
+  {{- '<|im_start|>system\n' -}}
+  {%- if has_system -%}
+    {{- text(messages[0].content) -}}
+    {%- if tools -%}{{- '\n\n' -}}{%- endif -%}
+  {%- endif -%}
+  {%- if tools -%}
+    {#- One compact signature a line: the demo model's context is short. -#}
+    {{- '# Tools\n<tools>\n' -}}
+    {%- for tool in tools -%}
+      {%- set fn = tool.function if tool.function is defined else tool -%}
+      {%- set schema = fn.parameters if fn.parameters is defined else {} -%}
+      {%- set required = schema.required if schema.required is defined else [] -%}
+      {{- fn.name + '(' -}}
+      {%- if schema.properties is defined -%}
+        {%- for name, spec in schema.properties.items() -%}
+          {{- name + ('' if name in required else '?') + ':' + (spec.type if spec.type is defined else 'any') -}}
+          {%- if not loop.last -%}{{- ',' -}}{%- endif -%}
+        {%- endfor -%}
+      {%- endif -%}
+      {{- ') ' + (fn.description if fn.description is defined else '') + '\n' -}}
+    {%- endfor -%}
+    {{- '</tools>\nCall tools as <tool_call>\n{"name":<name>,"arguments":<json-object>}\n</tool_call>' -}}
+  {%- endif -%}
+  {{- '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+  {%- if message.role == 'tool' -%}
+    {#- Consecutive tool results share one user turn, as in Qwen's template. -#}
+    {%- if loop.first or loop.previtem.role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+    {{- '\n<tool_response>\n' + text(message.content) + '\n</tool_response>' -}}
+    {%- if loop.last or loop.nextitem.role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+  {%- elif not (loop.first and has_system) -%}
+    {%- set content = text(message.content) -%}
+    {{- '<|im_start|>' + message.role + '\n' + content -}}
+    {%- if message.role == 'assistant' and message.tool_calls -%}
+      {%- for tool_call in message.tool_calls -%}
+        {%- set fn = tool_call.function if tool_call.function is defined else tool_call -%}
+        {%- if content or not loop.first -%}{{- '\n' -}}{%- endif -%}
+        {{- '<tool_call>\n{"name":' + fn.name | tojson + ',"arguments":' -}}
+        {%- if fn.arguments is string -%}{{- fn.arguments -}}
+        {%- else -%}{{- fn.arguments | tojson(separators=(',', ':')) -}}{%- endif -%}
+        {{- '}\n</tool_call>' -}}
+      {%- endfor -%}
+    {%- endif -%}
+    {{- '<|im_end|>\n' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
+"""
 
 PAD_TOKEN = "<|endoftext|>"
 BOS_TURN_TOKEN = "<|im_start|>"

@@ -32,7 +32,7 @@ def test_the_shipped_model_matches_its_pin_and_reaches_its_band(demo_data_dir):
     with local_tool_endpoints(demo_data_dir / "corpus", max_output_chars=config.tools.max_output_chars) as endpoints:
         summary, _ = run_evaluation(
             policy.backend(max_slots=32, max_len=config.rollout.max_total_tokens, seed=config.baseline.seed),
-            policy.tokenizer, items, k=2, tool_client=ToolClient.from_config(config.tools, endpoints), grader=config.grader,
+            policy.chat, items, k=2, tool_client=ToolClient.from_config(config.tools, endpoints), grader=config.grader,
             settings=RolloutSettings.from_config(config.rollout, config.penalties), max_concurrent=32,
         )
     low, high = recorded["band"]["score_mean"]

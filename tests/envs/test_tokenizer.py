@@ -15,8 +15,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from envs.finqa.tiny_model import build_model, count_parameters, tiny_config
-from envs.finqa.tokenizer import build_tokenizer
-from trainer.chat_format import CHAT_TEMPLATE
+from envs.finqa.tokenizer import CHAT_TEMPLATE, build_tokenizer
 from trainer.errors import ConfigError
 from trainer.modeling import load_model_and_tokenizer
 

@@ -50,7 +50,7 @@ def test_a_long_evaluation_prints_progress_lines(world, endpoints, taught_model,
     policy = load_policy(str(taught_model))
     lines: list[str] = []
     items = read_items(world / "data" / "test.jsonl")
-    run_evaluation(policy.backend(max_slots=2, max_len=768, seed=0), policy.tokenizer, items, k=8,
+    run_evaluation(policy.backend(max_slots=2, max_len=768, seed=0), policy.chat, items, k=8,
                    tool_client=ToolClient.from_config(config.tools), grader=config.grader,
                    settings=RolloutSettings.from_config(config.rollout, config.penalties), tools=config.tools.schemas,
                    max_concurrent=2, prefix="eval", log=lines.append)

@@ -53,7 +53,7 @@ def test_infrastructure_failures_are_retried_counted_and_never_scored(world, fau
     policy = load_policy(str(taught_model))
     items = [item for split in ("train", "validation", "test") for item in read_items(world / "data" / f"{split}.jsonl")]
     summary, records = run_evaluation(
-        policy.backend(max_slots=8, max_len=768, seed=0), policy.tokenizer, items, k=16,
+        policy.backend(max_slots=8, max_len=768, seed=0), policy.chat, items, k=16,
         tool_client=ToolClient.from_config(config.tools), grader=config.grader,
         settings=RolloutSettings.from_config(config.rollout, config.penalties), tools=config.tools.schemas,
     )

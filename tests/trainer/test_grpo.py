@@ -274,7 +274,7 @@ def test_loss_gives_no_gradient_to_tool_output_tokens(world, endpoints, taught_m
     async def rollouts() -> list[RolloutRecord]:
         backend = policy.backend(max_slots=16, max_len=768, seed=5)
         async with ToolClient(endpoints, TOOLS, max_output_chars=OUTPUT_CHARS) as client:
-            return await run_rollouts_async(backend, policy.tokenizer, read_items(world / "train.jsonl"), n_per_item=4,
+            return await run_rollouts_async(backend, policy.chat, read_items(world / "train.jsonl"), n_per_item=4,
                                             tool_client=client, grader=GRADER, settings=settings, tools=TOOLS)
 
     record = next(r for r in asyncio.run(rollouts()) if r.tool_calls and r.status == "ok")

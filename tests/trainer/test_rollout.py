@@ -23,7 +23,8 @@ import torch
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import fit_tiny_model
-from trainer.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from trainer.chat_formats import load_chat_format, parse_tool_call_blocks
+from trainer.chat_formats.hermes import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from trainer.data import read_items
 from trainer.engine import TransformersBackend
 from trainer.rollout import RolloutSettings
@@ -52,9 +53,7 @@ async def _script(item: dict, turns: list, endpoints: list[ToolEndpoint]) -> lis
             if turn == MALFORMED:
                 messages.append({"role": "assistant", "content": MALFORMED})
                 # What the loop answers to a malformed block (see rollout._loop_turns).
-                from trainer.chat_format import parse_assistant_output
-
-                error = parse_assistant_output(MALFORMED, first_call_index=index).errors[0]
+                error = parse_tool_call_blocks(MALFORMED, first_call_index=index).errors[0]
                 messages.append({"role": "tool", "tool_call_id": "invalid", "content": f"Error: {error}"})
                 index += 1
             elif isinstance(turn, str):
@@ -115,7 +114,7 @@ def _run(taught, world, *, endpoints, settings=None, seed=0, temperature=0.0, n=
             from trainer.rollout import run_rollouts_async
 
             return await run_rollouts_async(
-                backend, tokenizer, items or all_items, n_per_item=n, tool_client=client,
+                backend, load_chat_format(tokenizer), items or all_items, n_per_item=n, tool_client=client,
                 grader=GRADER, settings=settings,
             )
 
