@@ -203,7 +203,10 @@ def test_config_validate_with_set_overrides() -> None:
     assert result.returncode == 0, result.stderr
     shown = json.loads(result.stdout)
     overridden = load_config(DEMO_CONFIG, {"training": {"max_steps": 2}, "promotion": {"group_by": "ticker"}})
-    assert shown == {"config": str(DEMO_CONFIG), "valid": True, "hash": overridden.section_hash()}
+    assert shown == {"config": str(DEMO_CONFIG), "valid": True, "hash": overridden.section_hash(),
+                     # the shipped demo model's template is Qwen2.5's Hermes format
+                     "chat_format": "qwen2.5", "chat_format_setting": "auto",
+                     "stop_tokens": ["<|endoftext|>", "<|im_end|>"]}
     assert shown["hash"] != load_config(DEMO_CONFIG).section_hash()
     result = agentrft("config", "validate", str(DEMO_CONFIG), "--set", "training.max_step=2")
     assert result.returncode == 2 and "training.max_step: unknown key" in result.stderr

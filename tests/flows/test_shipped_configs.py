@@ -30,8 +30,8 @@ def cpu_overrides(model: Path, data: dict[str, Path | None], endpoints: list[dic
         f"model.base_model={model}",  # the hub id cannot be downloaded here: Qwen3's tiny stand-in
         "model.device=cpu",  # the configs say cuda (gpu.yaml) or auto
         "model.dtype=float32",  # bf16 weights are for GPUs
-        "training.mixed_precision=no",  # bf16 autocast is for GPUs
-        "rollout.backend=engine",  # gpu.yaml launches vLLM on the GPU; the embedded engine here
+        "training.mixed_precision='no'",  # bf16 autocast is for GPUs (quoted: YAML reads no as false)
+        "rollout.backend=transformers",  # gpu.yaml launches vLLM on the GPU; the embedded engine here
         f"tools.endpoints={json.dumps(endpoints)}",  # the test's tool server on loopback
         "data.dvc_file=null",  # the test's data files, versioned by their md5
         *(f"data.{key}={'null' if path is None else path}" for key, path in data.items()),

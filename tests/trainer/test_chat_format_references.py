@@ -102,7 +102,12 @@ def mistral_common_tokenizer(version: str):
 @pytest.mark.parametrize(("template", "version"), [("mistral-nemo", "v3"), ("mistral-small-3.2", "v11"),
                                                     ("ministral-3", "v13")])
 def test_mistral_matches_mistral_common(template, version):
-    from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMessage, ToolMessage, UserMessage
+    from mistral_common.protocol.instruct.messages import (
+        AssistantMessage,
+        SystemMessage,
+        ToolMessage,
+        UserMessage,
+    )
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
     from mistral_common.protocol.instruct.tool_calls import Function, FunctionCall, Tool, ToolCall
 

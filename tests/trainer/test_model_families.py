@@ -16,7 +16,7 @@ embedded engine and by a real vLLM server, and the tests compare what came out:
 - two GRPO steps, the saved model registered in MLflow, loaded back from the registry and
   served by `serve-model`, which answers the official `openai` SDK with the two tool calls.
 
-The vLLM servers (one per family) start together, in threads, while the models are taught.
+The vLLM servers (one per family, one process each) start together, in threads.
 gpt-oss skips the vLLM half: see VLLM_SKIP.
 """
 
@@ -103,12 +103,9 @@ def taught(world: Path, endpoints: list[ToolEndpoint]) -> dict[str, tuple[Path, 
     item = read_items(world / "train.jsonl")[0]
     out = {}
     for family in FAMILIES:
-        base = model_families.tiny_model(family)
         chat = load_chat_format(model_families.tokenizer(model_families.FAMILY_MODELS[family].template))
         messages = asyncio.run(script(family, item, endpoints, [chat.probe_call_id(i) for i in range(2)]))
-        stats = model_families.teach(base, [(messages, TOOLS)], world / f"taught-{family}")
-        assert stats["loss"] < 0.05, (family, stats)
-        out[family] = (world / f"taught-{family}", messages)
+        out[family] = (model_families.taught_model(family, [(messages, TOOLS)]), messages)
     return out
 
 
@@ -119,8 +116,11 @@ def vllm_urls(taught: dict, world: Path) -> dict[str, str]:
         pytest.skip("no vLLM environment: create .venv-vllm with scripts/vllm_env.sh (make vllm)")
     from trainer.vllm_servers import launched_server, server_args
 
+    # One process a server (the engine and its worker inside the API server): half the start-up.
     args, env = server_args(max_model_len=MAX_TOTAL_TOKENS, dtype="float32", extra_args=[
-        "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "4"])
+        "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "4",
+        "--distributed-executor-backend=uni"])
+    env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     urls: dict[str, str] = {}
     errors: dict[str, BaseException] = {}
     with contextlib.ExitStack() as stack:
@@ -146,8 +146,8 @@ def vllm_urls(taught: dict, world: Path) -> dict[str, str]:
 
 
 def settings(**changed) -> RolloutSettings:
-    return RolloutSettings(system_prompt=SYSTEM, temperature=0.0, max_new_tokens_per_turn=200,
-                           max_total_tokens=MAX_TOTAL_TOKENS, **changed)
+    return RolloutSettings(**{"system_prompt": SYSTEM, "temperature": 0.0, "max_new_tokens_per_turn": 200,
+                              "max_total_tokens": MAX_TOTAL_TOKENS, **changed})
 
 
 def roll(backend, chat, item: dict, endpoints: list[ToolEndpoint], rollout: RolloutSettings) -> RolloutRecord:
@@ -273,7 +273,7 @@ def test_two_grpo_steps_then_the_registry_then_serve_model(family, taught, world
         "grader": GRADER,
         "rollout": {"system_prompt": SYSTEM, "max_turns": 4, "max_new_tokens_per_turn": 200,
                     "max_total_tokens": MAX_TOTAL_TOKENS, "max_concurrent_rollouts": 4},
-        "training": {"batch_size": 1, "compute_multiplier": 0.25, "learning_rate": 1e-4, "max_steps": 2,
+        "training": {"batch_size": 1, "compute_multiplier": 0.25, "learning_rate": 1e-4, "n_epochs": 2, "max_steps": 2,
                      "eval_interval": 100, "eval_samples": 1, "checkpoint_interval": 100, "seed": 3},
         "mlflow": {"tracking_uri": tracking_uri},
     })
