@@ -157,6 +157,7 @@ def rft_training(model_path: str, *, model: Any, data: Any, tools: Any, grader: 
         logger.info("training: %s", " ".join(command))
         run_training(command, env, out / "train.log", logger)
         result = json.loads((out / "train_result.json").read_text())
+        client.set_tag(run_id, "chat_format", json.dumps(result["chat_format"]))
         models = []
         for rank, entry in enumerate(result["best_checkpoints"]):
             uri, model_id = log_transformers_model(ctx, run_id, Path(entry["path"]), f"checkpoint-step-{entry['step']}",

@@ -71,6 +71,7 @@ from typing import Any
 
 import torch
 
+from trainer.chat_formats import describe as describe_chat_format
 from trainer.checkpoint import (
     BestCheckpoints,
     latest_checkpoint,
@@ -610,6 +611,7 @@ class GRPOTrainer:
             summary = {
                 "model_dir": str(final),
                 "steps": self.step,
+                "chat_format": describe_chat_format(self.chat),
                 "best_checkpoints": self.best.to_json(),
                 "metrics": self.history[-1],
             }

@@ -69,6 +69,7 @@ def test_gpu_recipe_detects_qwen3_and_trains_one_step(world: Path, endpoints, tm
     result = json.loads((tmp_path / "run" / "train_result.json").read_text())
     assert result["steps"] == 1 and "train/loss" in result["metrics"]
     assert "train/reasoning_tokens_mean" in result["metrics"]
+    assert result["chat_format"]["chat_format"] == "qwen3"
 
 
 def test_job_template_detects_qwen3_and_trains_one_step(tmp_path: Path, capsys, monkeypatch):

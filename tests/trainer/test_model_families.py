@@ -38,6 +38,7 @@ from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS, copy_items
 from trainer.config import config_from_dict
 from trainer.data import read_items
 from trainer.engine import TransformersBackend
+from trainer.evaluate import summarize
 from trainer.policy import load_policy
 from trainer.rollout import RolloutRecord, RolloutSettings, run_rollouts_async
 from trainer.tools import ToolClient, ToolEndpoint
@@ -205,6 +206,9 @@ def test_scripted_rollout_on_the_engine_is_token_exact(family, taught, world, en
     record = roll(backend, policy.chat, item, endpoints, settings())
     check_scripted(record, policy.chat, family, messages, item)
     assert max_diff(sampled_logprobs(record), trainer_logprobs(policy.model, record)) < FP32_TOLERANCE
+    metrics = summarize([record], prefix="eval").metrics
+    assert metrics["eval/reasoning_tokens_mean"] == record.reasoning_tokens
+    assert metrics["eval/tokens_mean"] == record.tokens_generated
 
 
 @pytest.mark.parametrize("family", FAMILIES)
