@@ -13,21 +13,24 @@ rollout.
 Families (`model.chat_format`): `qwen3` (and QwQ; `enable_thinking`), `qwen2.5` (Hermes
 tool format; the demo model), `llama3` (3.1-3.3), `mistral` (Nemo, Small 3.x, Ministral 3),
 `gpt-oss` (harmony), and `template`: any other template that is prefix-stable, used as it
-is. `auto` reads the family from the tokenizer's template, and every format proves at
-start, on a probe conversation, that it writes what the template writes, token for token
+is. `auto` reads the family from the tokenizer's template, and every format proves at load,
+on a probe conversation, that it reads and writes what the template does
 (`ChatFormat.check`); a template that is neither a family's nor prefix-stable is a
 ConfigError naming the families.
 
-Why our own and not a library. The `renderers` package (Prime Intellect, 0.1.12) was
-evaluated on this project's fixtures (the families' real vocabularies and published
-templates): it hand-codes Qwen3, Llama 3 and gpt-oss, but has no Qwen2.5 or Mistral renderer
-(its fallback returns no bridge, i.e. a full re-render every turn), chooses a renderer by
-exact hub name only (a local path or a fine-tune must name a typed config), renders
-gpt-oss through openai-harmony, whose vocabulary download no machine here can make, and
-brings ~24k lines and a pre-release config package with it. transformers 5 parses
-responses only for models that ship a `response_schema`, which none of these published
-templates does. The families here are a few dozen lines each on top of the template the
-model ships, and the self-check ties them to it.
+Why our own and not a library (measured on this project's fixtures: the families' real
+vocabularies and published templates, tests/model_families.py). The `renderers` package
+(Prime Intellect, 0.1.12) is token-exact on Qwen3 and Llama 3.x and its bridge contract is
+this one, but it has no Qwen2.5 or Mistral renderer (its fallback has no bridge: a full
+re-render every turn), picks a renderer by exact hub name only (a local path or a fine-tune
+needs a typed config), reads Llama's `; `-joined calls as content, and brings ~140 MB of
+dependencies (the openai SDK, openai-harmony, a pre-release config package) and, with the
+openai SDK 3.x, does not import without an undeclared httpx. transformers 5 parses responses
+only where a tokenizer ships a response schema: none of these templates does (its serving
+code has fallbacks for Qwen alone). openai-harmony needs the o200k vocabulary from OpenAI's
+servers or a file a machine is given by hand; it is the reference the gpt-oss format is tested
+against, as mistral-common is for Mistral's. The families here are a few dozen lines each on
+top of the template the model ships, and the self-check ties them to it.
 """
 
 from __future__ import annotations

@@ -6,10 +6,13 @@ chat template (`apply_chat_template`: the system prompt, the tool block, dates, 
 are the template's business), and from there on never renders history again: the engine
 keeps the ids it sampled, the format parses them (`parse`) and writes only what comes
 after them (`bridge_ids`: the turn's closing tail, the tool results in the family's framing
-and the next generation prompt). The family classes write those pieces by hand; the
-self-check (`check`) proves at start that, on a probe conversation the template can render,
-prompt + canonical assistant turns + bridges equal the template's own rendering token for
-token, so a fine-tune whose template drifts from its family is refused before a rollout.
+and the next generation prompt, the last taken from the template itself). The family classes
+write those pieces by hand; the self-check (`check`) proves at load, on a probe conversation,
+that what the template writes after a turn's stop token is the bridge, and that a turn as the
+model writes it parses back to its message, so a fine-tune whose template drifts from its
+family is refused before a rollout. Whole-conversation equality with the templates, where a
+template renders history as it was sampled, and with the families' reference encoders
+(openai-harmony, mistral-common) are tests.
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ calls one tool per turn. The analysis of earlier turns stays in a tool rollout, 
 keeps it until a final answer.
 
 Why not openai-harmony itself: its encoder loads the o200k vocabulary from OpenAI's servers
-(or a tiktoken cache a machine must be given by hand), and no model hub or such server is
-reachable here, in CI or on the GPU machines; rendering through the model's own template and
-reading the channels from its token ids needs neither.
+(or a tiktoken file a machine must be given by hand), and no such server is reachable here, in
+CI or on the GPU machines; rendering through the model's own template and reading the channels
+from its token ids needs neither. openai-harmony is the reference this format is tested
+against (tests/trainer/test_chat_format_references.py, with the o200k vocabulary a package on
+the index carries): the first prompt, a turn's parse and the bridge agree token for token.
 """
 
 from __future__ import annotations
