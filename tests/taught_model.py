@@ -19,6 +19,7 @@ from envs.finqa.demo_model import BootstrapSettings, encode_conversation, superv
 from envs.finqa.generate import TICKERS
 from envs.finqa.tiny_model import build_model, tiny_config
 from envs.finqa.tokenizer import build_tokenizer
+from tests.model_families import building_dir, cache_dir, code_digest
 from trainer.data import read_items
 from trainer.tools import ToolClient, ToolEndpoint
 
@@ -117,12 +118,26 @@ def direct_first_scripts(item: dict) -> list[list]:
 
 def teach_model(items_files: list[Path], corpus_dir: Path, endpoints: list[ToolEndpoint], out: Path, *,
                 epochs: int = 80, batch_share: float = 2.0, ways=scripts) -> Path:
-    """Teach a tiny Qwen3 the scripted answers of every item; save it to `out`."""
+    """Teach a tiny Qwen3 the scripted answers of every item; save it to `out`. A model
+    taught the same conversations by the same code before, on this machine, is copied from
+    the cache (tests/model_families.py's) instead: teaching takes a minute or more."""
     items = [item for path in items_files for item in read_items(path)]
     conversations = [asyncio.run(conversation(item, turns, endpoints)) for item in items for turns in ways(item)]
     texts = [json.dumps(c) for c in conversations] + [p.read_text() for p in sorted(corpus_dir.rglob("*.txt"))]
-    model, tokenizer, _ = fit_tiny_model([(c, TOOLS) for c in conversations], texts, number_weight=3.0,
-                                         epochs=epochs, batch_share=batch_share)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    cached = cache_dir() / "taught-demo" / _digest(conversations, texts, epochs, batch_share)
+    if not (cached / "config.json").is_file():
+        with building_dir(cached) as building:
+            model, tokenizer, _ = fit_tiny_model([(c, TOOLS) for c in conversations], texts, number_weight=3.0,
+                                                 epochs=epochs, batch_share=batch_share)
+            model.save_pretrained(building)
+            tokenizer.save_pretrained(building)
+    shutil.copytree(cached, out, dirs_exist_ok=True)
     return out
+
+
+def _digest(*inputs: object) -> str:
+    """What a taught model depends on: its inputs, the code that teaches it and encodes its
+    conversations."""
+    repo = Path(__file__).resolve().parent.parent
+    return code_digest(inputs, [Path(__file__), *(repo / "envs" / "finqa" / f for f in (
+        "demo_model.py", "tokenizer.py", "tiny_model.py")), *(repo / "trainer" / "chat_formats").glob("*.py")])

@@ -149,7 +149,7 @@ def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, ma
                 return _error(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {service.max_len}")
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_new_tokens=budget)
         output = await service.generate(prompt_ids, params)
-        message, finish = _assistant_reply(chat_format, output, tools_offered=bool(body.tools))
+        message, finish = _assistant_reply(chat_format, output, tools=body.tools)
         return JSONResponse(
             {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -168,17 +168,17 @@ def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, ma
     return app
 
 
-def _assistant_reply(chat: Any, output: TurnOutput, *, tools_offered: bool) -> tuple[dict[str, Any], str]:
+def _assistant_reply(chat: Any, output: TurnOutput, *, tools: list[dict[str, Any]] | None) -> tuple[dict[str, Any], str]:
     """The OpenAI message and finish_reason of a generated turn. A turn cut by the token
     limit is `length` with its text as content (a call cut mid-JSON is shown, never lost or
     passed off as a call); reasoning goes to `reasoning_content`."""
     if output.finish_reason != "stop":
         return {"role": "assistant", "content": chat.decode(output.token_ids)}, "length"
-    parsed = chat.parse(output.token_ids)
+    parsed = chat.parse(output.token_ids, tools=tools)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
     if parsed.reasoning:
         message["reasoning_content"] = parsed.reasoning
-    if parsed.tool_calls and tools_offered:
+    if parsed.tool_calls and tools:
         message["tool_calls"] = tool_calls_to_openai(parsed.tool_calls)
         return message, "tool_calls"
     if parsed.tool_calls or parsed.errors:

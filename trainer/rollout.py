@@ -370,7 +370,8 @@ async def _loop_turns(
         record.tokens_generated += len(output.token_ids)
         record.turn_tokens.append(len(output.token_ids))
         record.turns += 1
-        parsed = chat.parse(output.token_ids, first_call_index=len(record.tool_calls) + record.malformed_tool_calls)
+        parsed = chat.parse(output.token_ids, first_call_index=len(record.tool_calls) + record.malformed_tool_calls,
+                            tools=tools)
         record.reasoning_tokens += parsed.reasoning_tokens
         if output.finish_reason != "stop":
             # Cut by the turn's token limit or the context: neither a call nor an answer,

@@ -78,7 +78,7 @@ def conversation(chat, *, parallel: bool, final: bool, reasoning: bool) -> list[
 # --- detection and the start-up check ------------------------------------------------------
 
 EXPECTED = {
-    "qwen3": "qwen3", "qwq": "qwen3", "qwen2.5": "qwen2.5", "llama3.1": "llama3", "llama3.2": "llama3",
+    "qwen3": "qwen3", "qwen3.5": "qwen3", "qwq": "qwen3", "qwen2.5": "qwen2.5", "llama3.1": "llama3", "llama3.2": "llama3",
     "llama3.3": "llama3", "mistral-nemo": "mistral", "mistral-small-3.2": "mistral", "ministral-3": "mistral",
     "gpt-oss": "gpt-oss",
 }
@@ -100,19 +100,29 @@ def test_mistral_variants_and_generation_prompts_come_from_the_template():
     assert chat_for("qwen3", enable_thinking=False).generation_prompt == "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
-@pytest.mark.parametrize("template", ["r1-distill-qwen", "qwen3.5"])
-def test_a_template_of_no_family_that_is_not_prefix_stable_is_refused_naming_the_families(template):
+def test_a_template_of_no_family_that_is_not_prefix_stable_is_refused_naming_the_families():
     with pytest.raises(ConfigError) as error:
-        chat_for(template)
+        chat_for("r1-distill-qwen")  # DeepSeek-R1's distills drop earlier reasoning, in a syntax of their own
     message = str(error.value)
-    assert "qwen3, qwen2.5, llama3, mistral, gpt-oss" in message or "qwen3 chat format" in message
-    assert "model.chat_format" in message
+    assert "qwen3, qwen2.5, llama3, mistral, gpt-oss" in message and "model.chat_format" in message
     assert "KV reuse" not in message  # no advice to use a setting that does not exist
 
 
-def test_qwen35_xml_calls_fail_the_qwen3_check_by_name():
-    with pytest.raises(ConfigError, match=r"looks like qwen3's.*<function=search>"):
-        chat_for("qwen3.5")
+def test_qwen35_xml_calls_are_read_and_typed_by_the_tool_schema():
+    chat = chat_for("qwen3.5")
+    assert chat.prompt_opens_reasoning  # its generation prompt opens <think>
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "force": {"type": "boolean"}, "tags": {"type": "array"}, "note": {"type": "string"}}}}}]
+    text = ("Checking.\n</think>\n\n<tool_call>\n<function=lookup>\n<parameter=id>\n42\n</parameter>\n"
+            "<parameter=force>\nTrue\n</parameter>\n<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n"
+            "<parameter=note>\n12\n</parameter>\n</function>\n</tool_call><|im_end|>")
+    parsed = chat.parse(chat.encode(text), tools=tools)
+    assert parsed.reasoning == "Checking." and parsed.errors == []
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("lookup", {"id": 42, "force": True, "tags": ["a", "b"], "note": "12"})]
+    wrong = chat.parse(chat.encode("x\n</think>\n\n<tool_call>\n<function=lookup>\n<parameter=id>\nforty\n"
+                                   "</parameter>\n</function>\n</tool_call>"), tools=tools)
+    assert wrong.tool_calls == [] and "<parameter=id> of 'lookup' is not of type integer" in wrong.errors[0]
 
 
 def test_a_family_forced_on_a_foreign_template_fails_its_check():
@@ -132,7 +142,7 @@ def test_enable_thinking_is_refused_where_the_family_has_no_switch():
 # Where the template renders a tool conversation as it was sampled, a rollout's ids (first
 # prompt, each turn as the model writes it, the bridges) are its rendering token for token.
 SAME_AS_TEMPLATE = [
-    ("qwen3", True), ("qwen2.5", False), ("llama3.1", False), ("llama3.2", False), ("llama3.3", False),
+    ("qwen3", True), ("qwen3.5", True), ("qwen2.5", False), ("llama3.1", False), ("llama3.2", False), ("llama3.3", False),
     ("mistral-small-3.2", False), ("ministral-3", True), ("gpt-oss", True),
 ]
 

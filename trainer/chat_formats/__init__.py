@@ -10,7 +10,7 @@ template would make of the conversation if it rendered it again: Qwen3's think g
 harmony's dropped analysis and Llama's one-call-per-message rendering do not touch a
 rollout.
 
-Families (`model.chat_format`): `qwen3` (and QwQ; `enable_thinking`), `qwen2.5` (Hermes
+Families (`model.chat_format`): `qwen3` (and Qwen3.5, QwQ; `enable_thinking`), `qwen2.5` (Hermes
 tool format; the demo model), `llama3` (3.1-3.3), `mistral` (Nemo, Small 3.x, Ministral 3),
 `gpt-oss` (harmony), and `template`: any other template that is prefix-stable, used as it
 is. `auto` reads the family from the tokenizer's template, and every format proves at load,

@@ -170,10 +170,12 @@ class ChatFormat(ABC):
         return self.encode(self.render(messages, tools, add_generation_prompt=True))
 
     @abstractmethod
-    def parse(self, token_ids: list[int], *, first_call_index: int = 0) -> ParsedTurn:
+    def parse(self, token_ids: list[int], *, first_call_index: int = 0,
+              tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
         """Split a sampled turn (its stop token included or not) into content, reasoning
         and calls. Never raises: what does not parse is an entry of `errors`. Call ids
-        count from `first_call_index` unless the model wrote its own."""
+        count from `first_call_index` unless the model wrote its own; `tools` (the schemas
+        offered) type the arguments of syntaxes that write them as text (Qwen3.5's XML)."""
 
     def bridge_ids(self, messages: list[dict[str, Any]], n_done: int, tools: list[dict[str, Any]] | None) -> list[int]:
         """The ids that follow a turn the model ended with a stop token: `messages[n_done - 1]`
@@ -354,7 +356,7 @@ class ChatFormat(ABC):
             if message["role"] != "assistant":
                 continue
             text = self.assistant_text(messages[:k], message, PROBE_TOOLS)
-            parsed = self.parse(self.encode(text), first_call_index=calls)
+            parsed = self.parse(self.encode(text), first_call_index=calls, tools=PROBE_TOOLS)
             calls += len(parsed.tool_calls)
             expected = [(c["function"]["name"], compact_arguments(c["function"]["arguments"]), c["id"])
                         for c in message.get("tool_calls", [])]

@@ -56,7 +56,8 @@ class GptOssFormat(ChatFormat):
         ids = {marker: self.encode(marker) for marker in (CHANNEL, MESSAGE, *TERMINATORS)}
         self._ids = {marker: found[0] for marker, found in ids.items() if len(found) == 1}
 
-    def parse(self, token_ids: list[int], *, first_call_index: int = 0) -> ParsedTurn:
+    def parse(self, token_ids: list[int], *, first_call_index: int = 0,
+              tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
         text = self.decode(token_ids)
         reasoning: list[str] = []
         final: list[str] = []

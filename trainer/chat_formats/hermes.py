@@ -15,7 +15,9 @@ a user turn as `<tool_response>` blocks.
     </tool_response><|im_end|>
     <|im_start|>assistant
 
-Several blocks in one turn are parallel calls. Qwen3 adds the `<think>` block; its template
+Several blocks in one turn are parallel calls. A block holds JSON, or (Qwen3.5, Qwen3-Coder)
+`<function=NAME>` with one `<parameter=KEY>` per argument, whose text is typed by the tool's
+schema as vLLM's qwen3_coder parser does. Qwen3 adds the `<think>` block; its template
 shows reasoning only on assistant turns after the last user query (the "think gate") and,
 with `enable_thinking: false`, opens each generation with an empty `<think>\\n\\n</think>\\n\\n`
 that it leaves out of earlier turns when it re-renders them. A rollout never re-renders:
@@ -28,6 +30,7 @@ are read the same way (the reasoning then starts in the prompt).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, ClassVar
 
 from trainer.chat_formats.base import (
@@ -45,10 +48,13 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
 
 
-def parse_tool_call_blocks(text: str, *, first_call_index: int = 0) -> ParsedTurn:
+def parse_tool_call_blocks(text: str, *, first_call_index: int = 0,
+                           tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
     """Split text into what lies outside `<tool_call>` blocks, the calls and the malformed
-    blocks (bad JSON, no name, arguments not an object, an unclosed tag). Call ids are
-    `call_<n>` from `first_call_index`. Never raises."""
+    blocks (bad JSON, no name, arguments not an object, an unclosed tag). A block holds JSON
+    (Qwen2.5, Qwen3) or Qwen3.5's XML (`<function=NAME>` with `<parameter=KEY>` values, typed
+    by the tool's schema in `tools`). Call ids are `call_<n>` from `first_call_index`. Never
+    raises."""
     text = text.rstrip()
     for marker in _END_MARKERS:
         text = text.removesuffix(marker)
@@ -67,10 +73,14 @@ def parse_tool_call_blocks(text: str, *, first_call_index: int = 0) -> ParsedTur
             errors.append(f"unclosed {TOOL_CALL_OPEN} tag: {snippet(text[body_start:pos])}")
             continue
         body = text[body_start:end]
-        try:
-            call = call_from_object(json.loads(body), f"call_{first_call_index + len(calls)}", TOOL_CALL_OPEN)
-        except json.JSONDecodeError as exc:
-            call = f"invalid JSON in {TOOL_CALL_OPEN} ({exc.msg} at char {exc.pos}): {snippet(body)}"
+        call_id = f"call_{first_call_index + len(calls)}"
+        if body.lstrip().startswith("<function="):
+            call = _xml_call(body, call_id, tools)
+        else:
+            try:
+                call = call_from_object(json.loads(body), call_id, TOOL_CALL_OPEN)
+            except json.JSONDecodeError as exc:
+                call = f"invalid JSON in {TOOL_CALL_OPEN} ({exc.msg} at char {exc.pos}): {snippet(body)}"
         if isinstance(call, ParsedToolCall):
             calls.append(call)
         else:
@@ -84,6 +94,50 @@ def parse_tool_call_blocks(text: str, *, first_call_index: int = 0) -> ParsedTur
     return ParsedTurn(content=content.strip(), tool_calls=calls, errors=errors)
 
 
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _xml_call(body: str, call_id: str, tools: list[dict[str, Any]] | None) -> ParsedToolCall | str:
+    """Qwen3.5's (and Qwen3-Coder's) call: the template writes an object or a list as JSON
+    and any other value as text, so a value is read by its parameter's type in the schema
+    (text where the schema says string or says nothing)."""
+    match = _XML_FUNCTION.fullmatch(body)
+    if not match:
+        return f"a {TOOL_CALL_OPEN} must hold <function=NAME>...</function>: {snippet(body)}"
+    name, inner = match.group(1).strip(), match.group(2)
+    schema = next((t.get("function", t).get("parameters") or {} for t in tools or []
+                   if t.get("function", t).get("name") == name), {})
+    properties = schema.get("properties") or {}
+    arguments: dict[str, Any] = {}
+    for key, raw in _XML_PARAMETER.findall(inner):
+        value = _typed(raw, (properties.get(key) or {}).get("type"))
+        if value is _INVALID:
+            return f"<parameter={key}> of {name!r} is not of type {properties[key]['type']}: {snippet(raw)}"
+        arguments[key] = value
+    if _XML_PARAMETER.sub("", inner).strip():
+        return f"text outside <parameter> tags in the call to {name!r}: {snippet(inner)}"
+    return ParsedToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False, separators=(",", ":")),
+                          call_id=call_id)
+
+
+_INVALID = object()
+
+
+def _typed(raw: str, kind: Any) -> Any:
+    if kind in (None, "string") or not isinstance(kind, str):
+        return raw
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(raw.strip().lower(), _INVALID)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return _INVALID
+    ok = {"integer": int, "number": (int, float), "object": dict, "array": list, "null": type(None)}.get(kind, object)
+    return value if isinstance(value, ok) and not (kind in ("integer", "number") and isinstance(value, bool)) \
+        else _INVALID
+
+
 class HermesFormat(ChatFormat):
     """Qwen2.5 and the Hermes tool format (Hermes 2 Pro / 3, and this project's demo model)."""
 
@@ -92,8 +146,9 @@ class HermesFormat(ChatFormat):
     # What the template writes after the sampled <|im_end|>.
     turn_tail = "\n"
 
-    def parse(self, token_ids: list[int], *, first_call_index: int = 0) -> ParsedTurn:
-        return parse_tool_call_blocks(self.decode(token_ids), first_call_index=first_call_index)
+    def parse(self, token_ids: list[int], *, first_call_index: int = 0,
+              tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
+        return parse_tool_call_blocks(self.decode(token_ids), first_call_index=first_call_index, tools=tools)
 
     def bridge_text(self, messages: list[dict[str, Any]], n_done: int, tools: list[dict[str, Any]] | None) -> str:
         results = messages[n_done:]
@@ -135,11 +190,12 @@ class Qwen3Format(HermesFormat):
         close_ids = self.encode(THINK_CLOSE)
         self._think_close_id = close_ids[0] if len(close_ids) == 1 else None
 
-    def parse(self, token_ids: list[int], *, first_call_index: int = 0) -> ParsedTurn:
+    def parse(self, token_ids: list[int], *, first_call_index: int = 0,
+              tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
         text = self.decode(token_ids)
         opened = self.prompt_opens_reasoning or text.lstrip().startswith(THINK_OPEN)
         if not opened:
-            return parse_tool_call_blocks(text, first_call_index=first_call_index)
+            return parse_tool_call_blocks(text, first_call_index=first_call_index, tools=tools)
         head, closed, rest = text.partition(THINK_CLOSE)
         reasoning = head.lstrip()
         reasoning = reasoning.removeprefix(THINK_OPEN).strip("\n")
@@ -148,7 +204,7 @@ class Qwen3Format(HermesFormat):
                 reasoning = reasoning.rstrip().removesuffix(marker)
             return ParsedTurn(content="", tool_calls=[], errors=[], reasoning=reasoning.strip("\n"),
                               reasoning_tokens=len(token_ids), reasoning_open=True)
-        parsed = parse_tool_call_blocks(rest.lstrip("\n"), first_call_index=first_call_index)
+        parsed = parse_tool_call_blocks(rest.lstrip("\n"), first_call_index=first_call_index, tools=tools)
         return ParsedTurn(content=parsed.content, tool_calls=parsed.tool_calls, errors=parsed.errors,
                           reasoning=reasoning, reasoning_tokens=self._reasoning_tokens(token_ids, head + closed))
 

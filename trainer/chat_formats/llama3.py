@@ -43,7 +43,8 @@ class Llama3Format(ChatFormat):
     stop_tokens: ClassVar[tuple[str, ...]] = ("<|eot_id|>", "<|eom_id|>")
     skip_special_tokens = False  # <|python_tag|> is special and marks a call
 
-    def parse(self, token_ids: list[int], *, first_call_index: int = 0) -> ParsedTurn:
+    def parse(self, token_ids: list[int], *, first_call_index: int = 0,
+              tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
         text = self.decode(token_ids).rstrip()
         for marker in _END_MARKERS:
             text = text.removesuffix(marker)

@@ -57,7 +57,8 @@ class MistralFormat(ChatFormat):
     def call_id(index: int) -> str:
         return f"call{index:05d}"
 
-    def parse(self, token_ids: list[int], *, first_call_index: int = 0) -> ParsedTurn:
+    def parse(self, token_ids: list[int], *, first_call_index: int = 0,
+              tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
         text = self.decode(token_ids).rstrip()
         for marker in self.stop_tokens:
             text = text.removesuffix(marker)

@@ -45,8 +45,9 @@ class TemplateFormat(ChatFormat):
         self.turn_tail = end[len(stop):] if stop and end.startswith(stop) else end
         self.stop_tokens = (stop,) if stop else ()
 
-    def parse(self, token_ids: list[int], *, first_call_index: int = 0) -> ParsedTurn:
-        return parse_tool_call_blocks(self.decode(token_ids), first_call_index=first_call_index)
+    def parse(self, token_ids: list[int], *, first_call_index: int = 0,
+              tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
+        return parse_tool_call_blocks(self.decode(token_ids), first_call_index=first_call_index, tools=tools)
 
     def bridge_ids(self, messages: list[dict[str, Any]], n_done: int, tools: list[dict[str, Any]] | None) -> list[int]:
         done = self.render(messages[:n_done], tools, add_generation_prompt=False)
