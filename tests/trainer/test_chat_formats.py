@@ -78,7 +78,8 @@ def conversation(chat, *, parallel: bool, final: bool, reasoning: bool) -> list[
 # --- detection and the start-up check ------------------------------------------------------
 
 EXPECTED = {
-    "qwen3": "qwen3", "qwen3.5": "qwen3", "qwq": "qwen3", "qwen2.5": "qwen2.5", "llama3.1": "llama3", "llama3.2": "llama3",
+    "qwen3": "qwen3", "qwen3.5": "qwen3", "qwq": "qwen3", "qwen2.5": "qwen2.5", "qwen3-coder": "qwen2.5",
+    "llama3.1": "llama3", "llama3.2": "llama3",
     "llama3.3": "llama3", "mistral-nemo": "mistral", "mistral-small-3.2": "mistral", "ministral-3": "mistral",
     "gpt-oss": "gpt-oss",
 }
@@ -125,6 +126,22 @@ def test_qwen35_xml_calls_are_read_and_typed_by_the_tool_schema():
     assert wrong.tool_calls == [] and "<parameter=id> of 'lookup' is not of type integer" in wrong.errors[0]
 
 
+def test_qwen3_coder_xml_calls_and_its_tool_response_layout():
+    chat = chat_for("qwen3-coder")  # no think block: the Qwen2.5 format, with XML calls
+    assert chat.xml_calls and chat.response_newline
+    text = ("Two lookups.\n\n<tool_call>\n<function=search>\n<parameter=query>\nACME 2019\n</parameter>\n"
+            "</function>\n</tool_call>\n<tool_call>\n<function=search>\n<parameter=query>\nACME 2020\n</parameter>\n"
+            "</function>\n</tool_call><|im_end|>")
+    parsed = chat.parse(chat.encode(text), first_call_index=3, tools=TOOLS)
+    assert parsed.content == "Two lookups." and parsed.errors == []
+    assert [(c.call_id, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("call_3", {"query": "ACME 2019"}), ("call_4", {"query": "ACME 2020"})]
+    results = [{"role": "tool", "tool_call_id": "call_3", "content": "a"}, {"role": "tool", "tool_call_id": "call_4",
+                                                                             "content": "b"}]
+    assert chat.bridge_text([*results], 0, TOOLS) == (
+        "\n<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n</tool_response>\n<|im_end|>\n")
+
+
 def test_a_family_forced_on_a_foreign_template_fails_its_check():
     with pytest.raises(ConfigError, match="llama3 chat format ends a turn with '<|eot_id|>'"):
         load_chat_format(model_families.tokenizer("qwen3"), "llama3")
@@ -142,7 +159,7 @@ def test_enable_thinking_is_refused_where_the_family_has_no_switch():
 # Where the template renders a tool conversation as it was sampled, a rollout's ids (first
 # prompt, each turn as the model writes it, the bridges) are its rendering token for token.
 SAME_AS_TEMPLATE = [
-    ("qwen3", True), ("qwen3.5", True), ("qwen2.5", False), ("llama3.1", False), ("llama3.2", False), ("llama3.3", False),
+    ("qwen3", True), ("qwen3.5", True), ("qwen2.5", False), ("qwen3-coder", False), ("llama3.1", False), ("llama3.2", False), ("llama3.3", False),
     ("mistral-small-3.2", False), ("ministral-3", True), ("gpt-oss", True),
 ]
 

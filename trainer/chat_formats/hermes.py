@@ -40,6 +40,7 @@ from trainer.chat_formats.base import (
     call_from_object,
     snippet,
 )
+from trainer.errors import ConfigError
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_TAGS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "<tool_response>", "</tool_response>")
@@ -146,14 +147,35 @@ class HermesFormat(ChatFormat):
     # What the template writes after the sampled <|im_end|>.
     turn_tail = "\n"
 
+    def __init__(self, tokenizer: Any, *, enable_thinking: bool | None = None):
+        super().__init__(tokenizer, enable_thinking=enable_thinking)
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        # Qwen3.5 and Qwen3-Coder write calls as <function=NAME> XML; Qwen3-Coder also ends
+        # each tool response with a newline ("</tool_response>\n<|im_end|>").
+        self.xml_calls = "<function=" in template
+        self.response_newline = "</tool_response>\n<|im_end|>" in self._rendered_tool_result()
+
     def parse(self, token_ids: list[int], *, first_call_index: int = 0,
               tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
         return parse_tool_call_blocks(self.decode(token_ids), first_call_index=first_call_index, tools=tools)
 
+    def _rendered_tool_result(self) -> str:
+        call = {"id": "call_0", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+        try:
+            return self.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                {"role": "tool", "tool_call_id": "call_0", "content": "r"}], None,
+                               add_generation_prompt=False)
+        except ConfigError:
+            return ""  # the start-up check reports what the template refuses
+
     def bridge_text(self, messages: list[dict[str, Any]], n_done: int, tools: list[dict[str, Any]] | None) -> str:
         results = messages[n_done:]
         text = self.turn_tail
-        if results:
+        if results and self.response_newline:
+            text += "<|im_start|>user\n"
+            text += "".join(f"<tool_response>\n{_text(m['content'])}\n</tool_response>\n" for m in results)
+            text += "<|im_end|>\n"
+        elif results:
             text += "<|im_start|>user"
             text += "".join(f"\n<tool_response>\n{_text(m['content'])}\n</tool_response>" for m in results)
             text += "<|im_end|>\n"
@@ -166,9 +188,17 @@ class HermesFormat(ChatFormat):
             function = call.get("function", call)
             arguments = function["arguments"]
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            if self.xml_calls:
+                parameters = "".join(
+                    f"<parameter={key}>\n"
+                    f"{json.dumps(value, ensure_ascii=False) if isinstance(value, (dict, list)) else _xml_value(value)}"
+                    "\n</parameter>\n" for key, value in arguments.items())
+                blocks.append(f"<tool_call>\n<function={function['name']}>\n{parameters}</function>\n</tool_call>")
+                continue
             blocks.append(f'<tool_call>\n{{"name": "{function["name"]}", "arguments": '
                           f'{json.dumps(arguments, ensure_ascii=False)}}}\n</tool_call>')
-        text = "\n".join([content, *blocks] if content else blocks)
+        # Qwen3-Coder's template sets a blank line between the content and the first call.
+        text = "\n".join([content + "\n" * self.xml_calls, *blocks] if content else blocks)
         return self._reasoning_text(message) + text + "<|im_end|>"
 
     def _reasoning_text(self, message: dict[str, Any]) -> str:
@@ -225,6 +255,11 @@ class Qwen3Format(HermesFormat):
         if self.generation_prompt.rstrip().endswith(THINK_CLOSE):
             return {}
         return {"reasoning_content": ["The 2019 report first.", "Now its page."][index]}
+
+
+def _xml_value(value: Any) -> str:
+    """A scalar as the XML templates write it (Jinja's `string` filter: True, None)."""
+    return str(value)
 
 
 def _text(content: Any) -> str:
