@@ -16,8 +16,10 @@ embedded engine and by a real vLLM server, and the tests compare what came out:
 - two GRPO steps, the saved model registered in MLflow, loaded back from the registry and
   served by `serve-model`, which answers the official `openai` SDK with the two tool calls.
 
-The vLLM servers (one per family, one process each) start together, in threads.
-gpt-oss skips the vLLM half: see VLLM_SKIP.
+The vLLM servers (one per family, one process each) start together, in threads. The
+gpt-oss fixture unties its embeddings as gpt-oss does: vLLM 0.32.0's GptOssForCausalLM
+never ties them, and with a tied fixture it sampled from all-equal logits
+(log-probability log(1/201088) for every token).
 """
 
 from __future__ import annotations
@@ -47,11 +49,6 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 FAMILIES = ["qwen3", "qwen2.5", "llama3", "mistral", "gpt-oss"]
 THINKING = {"qwen3", "gpt-oss"}
-# Measured here with vLLM 0.32.0 (CPU build): the server loads the tiny GptOssForCausalLM and
-# answers, but every sampled token has log-probability -12.2115 = log(1/201088), i.e. all-equal
-# logits: its CPU path computes no gpt-oss output from unquantized expert weights.
-VLLM_SKIP = {"gpt-oss": "vLLM 0.32.0's CPU build returns all-equal logits for GptOssForCausalLM (every "
-                        "log-probability is log(1/201088)); the vLLM half needs a GPU build"}
 FP32_TOLERANCE = 1e-4
 MAX_TOTAL_TOKENS = 1024
 
@@ -112,7 +109,7 @@ def taught(world: Path, endpoints: list[ToolEndpoint]) -> dict[str, tuple[Path, 
 
 @pytest.fixture(scope="module")
 def vllm_urls(taught: dict, world: Path) -> dict[str, str]:
-    """One vLLM server per family (but those in VLLM_SKIP), started together."""
+    """One vLLM server per family, started together."""
     if not VLLM_PYTHON.exists():
         pytest.skip("no vLLM environment: create .venv-vllm with scripts/vllm_env.sh (make vllm)")
     from trainer.vllm_servers import launched_server, server_args
@@ -138,7 +135,7 @@ def vllm_urls(taught: dict, world: Path) -> dict[str, str]:
             except BaseException as exc:  # reported by the family's test
                 errors[family] = exc
 
-        threads = [threading.Thread(target=start, args=(f,)) for f in FAMILIES if f not in VLLM_SKIP]
+        threads = [threading.Thread(target=start, args=(f,)) for f in FAMILIES]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -213,8 +210,6 @@ def test_scripted_rollout_on_the_engine_is_token_exact(family, taught, world, en
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_scripted_rollout_on_vllm_is_the_engines(family, taught, world, endpoints, vllm_urls):
-    if family in VLLM_SKIP:
-        pytest.skip(VLLM_SKIP[family])
     assert family in vllm_urls, vllm_urls.get(f"{family}:error")
     from trainer.vllm_backend import VllmBackend, VllmServers
     from trainer.vllm_servers import SERVED_NAME
