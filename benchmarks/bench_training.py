@@ -145,14 +145,14 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 
 def update_trainer(world: TaughtWorld, model_config: Qwen3Config, out: Path, micro_batch_size: int,
-                   mixed_precision: str, *, full_sequence: bool = False) -> GRPOTrainer:
+                   mixed_precision: str, *, full_sequence: bool = False, max_total_tokens: int = 4096) -> GRPOTrainer:
     """Our trainer, set up on a random model of `model_config` (saved with the world's
     tokenizer, which only supplies the pad id here); no tool is called. `full_sequence`:
     the update's log-probabilities as before issue 17 (`FullSequenceLogprobs`)."""
     model_dir = out / "model"
     build_model(model_config, seed=0).save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(world.model).save_pretrained(model_dir)
-    config = training_config(world, [], rollout={"max_total_tokens": 4096}, micro_batch_size=micro_batch_size,
+    config = training_config(world, [], rollout={"max_total_tokens": max_total_tokens}, micro_batch_size=micro_batch_size,
                              mixed_precision=mixed_precision)
     trainer = GRPOTrainer(config, model_path=str(model_dir), output_dir=out / "run", endpoints=NO_TOOLS)
     trainer.setup()
@@ -160,7 +160,7 @@ def update_trainer(world: TaughtWorld, model_config: Qwen3Config, out: Path, mic
         u = trainer.updater
         trainer.updater = FullSequenceLogprobs(u.accelerator, u.model, u.optimizer, config=u.config,
                                                tokenizer=u.tokenizer, reference=u.reference,
-                                               temperature=u.temperature)
+                                               temperature=u.temperature, kl_coef_of=u.kl_coef_of)
     return trainer
 
 

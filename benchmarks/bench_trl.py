@@ -225,7 +225,7 @@ def trl(world: TaughtWorld, endpoints: list[ToolEndpoint], steps: int, seed: int
         gradient_accumulation_steps=1, num_iterations=training.ppo_epochs, max_steps=steps,
         learning_rate=training.learning_rate, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
         weight_decay=training.weight_decay, max_grad_norm=training.max_grad_norm, beta=training.kl_coef,
-        epsilon=training.epsilon, epsilon_high=training.epsilon_high, loss_type=training.loss_type,
+        epsilon=training.clip_range()[0], epsilon_high=training.clip_range()[1], loss_type=training.loss_type,
         scale_rewards=training.scale_rewards, mask_truncated_completions=training.mask_truncated,
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=0,
         generation_kwargs={"max_new_tokens": rollout.max_new_tokens_per_turn},

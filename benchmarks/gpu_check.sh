@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The vLLM backend on one GPU, in under 8 minutes (issue 19): builds a Qwen3-0.6B-sized model
-# with random weights and the demo tokenizer locally (no model hub), lets the trainer launch a
-# vLLM server for it from .venv-vllm, runs a few GRPO steps on the demo tool server with a full
-# weight sync after every step, and prints rollout tokens/s, sync seconds, the training step's
-# MFU against the GPU's bf16 peak and peak GPU memory.
+# The vLLM backend and FSDP on one GPU, in under 8 minutes (issues 19 and 30): builds a
+# Qwen3-0.6B-sized model with random weights and the demo tokenizer locally (no model hub),
+# lets the trainer launch a vLLM server for it from .venv-vllm, runs a few GRPO steps on the
+# demo tool server with a full weight sync after every step, and prints rollout tokens/s, sync
+# seconds, the training step's MFU against the GPU's bf16 peak and peak GPU memory. Then one
+# update under `training.distributed: fsdp` (a world of one GPU, bf16 through FSDP's
+# mixed-precision policy) of a Qwen3-0.6B with Qwen's vocabulary (151,936) on two rollouts of
+# 4,352 tokens (benchmarks/fsdp_update.py): its seconds and the allocator's peak.
 #
 #   benchmarks/gpu_check.sh            # STEPS=3 ITEMS=4 GROUP=8 EAGER=1 WORK=/tmp/... to change
 #
@@ -23,7 +26,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PREFECT_SERVER_ANALYTICS_EN
 nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -l 1 > "$WORK/gpu_memory.csv" &
 SAMPLER=$!
 trap 'kill $SAMPLER 2>/dev/null || true' EXIT
-timeout 470 .venv/bin/python - <<'PY'
+timeout 330 .venv/bin/python - <<'PY'
 import json, os, statistics, time
 from pathlib import Path
 
@@ -79,7 +82,7 @@ with local_tool_endpoints(data / "corpus") as endpoints:
     trainer = GRPOTrainer(job, model_path=str(model_dir), output_dir=work / "run", endpoints=endpoints)
     trainer.setup()
     updates = []  # (tokens forwarded, seconds) of each optimizer update
-    update = trainer._update
+    update = trainer.updater.update
 
     def timed_update(records, advantages, step):
         tokens = sum(len(r.token_ids) for r, a in zip(records, advantages) if a is not None)
@@ -90,7 +93,7 @@ with local_tool_endpoints(data / "corpus") as endpoints:
         updates.append((tokens, time.perf_counter() - begun, max((len(r.token_ids) for r in records), default=0)))
         return result
 
-    trainer._update = timed_update  # instrumentation: the real update, timed
+    trainer.updater.update = timed_update  # instrumentation: the real update, timed
     try:
         trainer.train()
         startup = trainer.generator.launched[0].startup_s
@@ -132,3 +135,6 @@ PY
 kill $SAMPLER 2>/dev/null || true
 echo "peak GPU memory (trainer + vLLM server): $(sort -n "$WORK/gpu_memory.csv" | tail -1) MiB"
 echo "figures: $WORK/gpu_check.json"
+echo "FSDP, one update at vocabulary 151,936:"
+timeout 120 .venv/bin/python -m benchmarks.fsdp_update --json "$WORK/fsdp_update.json"
+echo "figures: $WORK/fsdp_update.json"

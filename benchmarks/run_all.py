@@ -19,8 +19,9 @@ Budget on 2 cores, in seconds (the timeout of each process; typical runs take le
 tool_server 600 (with a 30 s soak through the tool client; 1800 on a machine's first run,
 which writes and embeds the 100,000-page corpus and caches it), engine 240, rollout 300,
 trl 600, training 540, pipeline 3 x 200 (a failed run is not repeated), vllm 840 (only
-where .venv-vllm exists; 3 steps, 16 rollouts per item): 62 minutes at worst, 25 to 35
-typically.
+where .venv-vllm exists; 3 steps, 16 rollouts per item), memory 600 (one update at
+Qwen's vocabulary before and after, about 2 minutes and 14 GiB at the peak of "before"):
+72 minutes at worst, 27 to 37 typically.
 
     python benchmarks/run_all.py [--json benchmarks/results.json] [--only trl training] [--logs DIR]
 """
@@ -60,6 +61,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], int, int]] = {
     "training": ("bench_training", ["--rollouts", "8", "--repeats", "3", "--scaling-rounds", "3"], 540, 1),
     "pipeline": ("bench_pipeline", [], 200, 3),
     "vllm": ("bench_vllm", ["--k", "16", "--steps", "3"], 840, 1),
+    "memory": ("bench_memory", [], 600, 1),
 }
 
 
@@ -264,6 +266,20 @@ def tool_server_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def memory_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    r = results[0]
+    before, after = r["before"], r["after"]
+    ratio = r["extra_ratio_before_over_after"]
+    return [row(f"memory of one update at vocabulary {r['vocab']:,}, span logits -> fused over generated tokens (MiB)",
+                f"{before['update_extra_mib']:.0f} -> {after['update_extra_mib']:.0f} ({ratio:.1f}x lower)",
+                ">= 4x lower", "met" if ratio >= 4 else "not met",
+                f"above the pre-update RSS, one update each in a fresh process; peak RSS {before['peak_rss_mib']:.0f} -> "
+                f"{after['peak_rss_mib']:.0f} MiB; {r['micro_batch_size']} rollouts x ({r['prompt']} prompt + "
+                f"{r['span']}-position span, {r['generated_per_row']} generated), {r['dtype']} on {r['device']}, chunks "
+                f"of {after['logprob_chunk_tokens']}; update {before['update_s']} -> {after['update_s']} s; losses "
+                f"differ by {r['loss_difference']:.1e}")]
+
+
 def vllm_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     v, t = results[0]["vllm"], results[0]["transformers"]
     note = "one run; taught model, float32 on CPU"
@@ -289,6 +305,7 @@ ROWS: dict[str, tuple[Callable[[list[dict[str, Any]]], list[dict[str, Any]]], li
     "pipeline": (pipeline_rows, ["pipeline bookkeeping / wall time"]),
     "tool_server": (tool_server_rows, ["search tool p95, 2,800 and 100,000 pages", "tool client soak"]),
     "vllm": (vllm_rows, ["vLLM backend vs transformers engine"]),
+    "memory": (memory_rows, ["memory of one update at vocabulary 151,936"]),
 }
 
 

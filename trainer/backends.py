@@ -30,7 +30,7 @@ class LocalGenerator:
 
     def backend(self, seed: int) -> GenerationBackend:
         trainer, rollout = self.trainer, self.trainer.config.rollout
-        model = trainer.accelerator.unwrap_model(trainer.model)
+        model = trainer.sampling_model()
         return TransformersBackend(
             model,
             stop_token_ids=trainer.stop_token_ids,

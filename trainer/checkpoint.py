@@ -96,9 +96,11 @@ def latest_checkpoint(checkpoints_dir: Path) -> Path | None:
     return max(complete, key=_step_of, default=None)
 
 
-def save_checkpoint(accelerator: Any, checkpoints_dir: Path, step: int, state: dict[str, Any]) -> Path:
+def save_checkpoint(accelerator: Any, checkpoints_dir: Path, step: int, state: dict[str, Any], *,
+                    sharded: tuple[Any, Any] | None = None) -> Path:
     """Write `checkpoints_dir/step_<step>` and remove the older ones. Every process must
-    call it (FSDP and DeepSpeed save shards from each rank, every rank its RNG state);
+    call it (every rank its RNG state; with `sharded`, an FSDP model and its optimizer,
+    every rank its shards under `model_shards/`);
     the main process writes the JSON `state` plus every process's RNG state. A failed
     write raises StorageError on every process and leaves the previous checkpoint as it was."""
     from accelerate.utils import gather_object
@@ -114,6 +116,12 @@ def save_checkpoint(accelerator: Any, checkpoints_dir: Path, step: int, state: d
     failure = _first(gather_object([failure]))
     if failure is None:
         failure = _attempt(accelerator.save_state, str(partial / ACCELERATE_DIR))
+    if sharded is not None:
+        failure = _first(gather_object([failure]))  # every rank, failed or not: collectives stay in step
+        if failure is None:
+            from trainer.sharding import save_sharded
+
+            failure = _attempt(save_sharded, *sharded, partial)
     rngs = gather_object([rng_state()])
     failure = _first(gather_object([failure]))
     if failure is None and main:
@@ -139,10 +147,14 @@ def save_checkpoint(accelerator: Any, checkpoints_dir: Path, step: int, state: d
     return final
 
 
-def load_checkpoint(accelerator: Any, path: Path) -> dict[str, Any]:
-    """Restore model, optimizer and RNG states from `path` (after `accelerator.prepare`)
-    and return its JSON state."""
+def load_checkpoint(accelerator: Any, path: Path, *, sharded: tuple[Any, Any] | None = None) -> dict[str, Any]:
+    """Restore model, optimizer and RNG states from `path` (after `accelerator.prepare`, or
+    into the FSDP model and optimizer `sharded`) and return its JSON state."""
     accelerator.load_state(str(path / ACCELERATE_DIR))
+    if sharded is not None:
+        from trainer.sharding import load_sharded
+
+        load_sharded(*sharded, path)
     state = json.loads((path / STATE_FILE).read_text())
     rngs = state["rng"]
     # A run resumed on another number of processes takes the main process's streams.

@@ -289,11 +289,16 @@ class TrainingConfig(Section):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps.")
     loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo"] = Field(
         "dapo", description="grpo: mean over each rollout's tokens, then over rollouts; dapo: mean over all "
-        "tokens of an update; dr_grpo: sum over tokens / (max tokens x rollouts), a constant; gspo: one "
-        "length-normalised importance ratio per rollout."
+        "tokens of an update; dr_grpo: sum over tokens / (generation budget x rollouts), a constant (the budget: "
+        "rollout.max_turns x max_new_tokens_per_turn, at most max_total_tokens); gspo: one length-normalised "
+        "importance ratio per rollout."
     )
-    epsilon: float = Field(0.2, gt=0, description="Clip range below 1 (and above, unless epsilon_high).")
-    epsilon_high: float | None = Field(None, gt=0, description="Clip range above 1 (DAPO's clip-higher).")
+    epsilon: float | None = Field(
+        None, gt=0, description="Clip range below 1 (and above, unless epsilon_high). Unset: 0.2, or 3e-4 with "
+        "loss_type gspo (GSPO's ratio is a per-token mean, so its paper clips at 3e-4 / 4e-4).")
+    epsilon_high: float | None = Field(
+        None, gt=0, description="Clip range above 1 (DAPO's clip-higher). Unset: epsilon, or 4e-4 with gspo when "
+        "epsilon is unset too.")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Divide advantages by the std of the group, of the batch, or not at all."
     )
@@ -333,14 +338,20 @@ class TrainingConfig(Section):
     )
     micro_batch_size: int = Field(8, ge=1, description="Rollouts per forward/backward.")
     logprob_chunk_tokens: int = Field(
-        1024, ge=16, description="Completion positions per chunk when computing log-probabilities (bounds "
-        "the [tokens, vocabulary] logits held at once)."
+        512, ge=16, description="Generated tokens per chunk of the output projection and log-softmax: the "
+        "update holds at most two float32 [chunk, vocabulary] tensors at once (about 600 MiB at Qwen's 151,936)."
     )
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters (merged at save).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU.")
-    num_processes: int = Field(1, ge=1, description="Processes for accelerate launch.")
-    accelerate_config: str | None = Field(None, description="An accelerate config file (DDP).")
+    num_processes: int = Field(1, ge=1, description="Training processes (one per GPU; on CPUs, gloo processes).")
+    distributed: Literal["none", "ddp", "fsdp"] | None = Field(
+        None, description="How the processes share the model: none (one process), ddp (each holds it whole), "
+        "fsdp (FSDP2: parameters, gradients and optimizer state sharded). Unset: none for one process, ddp for "
+        "several.")
+    accelerate_config: str | None = Field(
+        None, description="An accelerate config file for where the processes run (machines, GPU ids, ports); "
+        "its distributed_type, if any, must not contradict training.distributed.")
     max_staleness: Literal[0, 1] = Field(
         0, description="1: generate step t+1's rollouts while step t trains (vLLM backend), one step off-policy."
     )
@@ -356,6 +367,15 @@ class TrainingConfig(Section):
     def _scale_rewards_bool(cls, value: Any) -> Any:
         # TRL takes True/False as well: True is "group", False is "none".
         return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _one_process_without_distribution(self) -> TrainingConfig:
+        if self.distributed == "none" and self.num_processes > 1:
+            raise ConfigError(
+                f"training.distributed is none but training.num_processes is {self.num_processes}: set distributed "
+                "to ddp or fsdp, or num_processes to 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _groups_have_a_field(self) -> TrainingConfig:
@@ -378,6 +398,14 @@ class TrainingConfig(Section):
     def kl_coef_of(self, item: dict[str, Any]) -> float:
         """The KL coefficient of an item's rollouts: its group's, else kl_coef."""
         return self.kl_coef_by_group.get(self.group_of(item), self.kl_coef)
+
+    def clip_range(self) -> tuple[float, float]:
+        """(below 1, above 1): the clip of the importance ratio, defaults resolved."""
+        if self.epsilon is None:
+            low, high = (3e-4, 4e-4) if self.loss_type == "gspo" else (0.2, 0.2)
+        else:
+            low = high = self.epsilon
+        return low, high if self.epsilon_high is None else self.epsilon_high
 
     @property
     def uses_reference(self) -> bool:

@@ -17,12 +17,12 @@ One step of the algorithm:
    `infra_error`, a grader error or, with `mask_truncated`, a rollout whose turn was cut
    is left out and counted.
 4. `ppo_epochs` passes over those rollouts in micro-batches of similar length. The old
-   policy is the trainer itself: with one pass `new.detach()`, with several one no-grad
-   forward before the first update. The sampler's log-probabilities only feed truncated
+   policy is the trainer itself: `new.detach()` when the step makes one optimizer update,
+   one no-grad forward before the first update when it makes several. The sampler's log-probabilities only feed truncated
    importance sampling (`tis_cap`) and the logged sampler-trainer mismatch
    (`train/sampler_kl`, `train/sampler_diff_max`): an inference engine or bf16 kernels do
-   not sample with exactly the trainer's numbers. Log-probabilities are computed for the
-   completion span only (`logits_to_keep`) and `logprob_chunk_tokens` positions at a time.
+   not sample with exactly the trainer's numbers. Log-probabilities are computed at the
+   generated tokens only, `logprob_chunk_tokens` at a time (trainer/update.py).
    The loss (`loss_type`, `epsilon`, `epsilon_high`, `kl_coef`) is in trainer/loss.py;
    its token weights make an update's gradient the same whatever its micro-batches and
    processes.
@@ -36,10 +36,13 @@ same seed every time, so two evaluations differ by the model and not by the dice
 score less the penalties, or the score alone) are saved as model directories
 (`best/step_N/`); the last one as `final/`. The test split is never read here.
 
-Distribution: `Accelerator` owns the devices, mixed precision (bf16 on a GPU by default,
-over float32 master weights) and DDP. FSDP and DeepSpeed are refused (each process samples
-with the whole model, and the trainer's per-update accumulation and clipping are its own).
-Each process runs the rollouts of its share of the batch's items, so whole groups live on
+Distribution (`training.distributed`, trainer/sharding.py): `Accelerator` owns the devices,
+mixed precision (bf16 on a GPU by default, over float32 master weights) and DDP; under
+`fsdp` the model is sharded with FSDP2 and every process samples with an unsharded copy
+refreshed after each step. DeepSpeed is refused (its engine would override the trainer's
+per-update accumulation and clipping). With several processes, dynamic sampling draws
+its fresh items once for all processes and gives each a distinct share, and
+`scale_rewards: batch` divides by the std of every process's rewards. Each process runs the rollouts of its share of the batch's items, so whole groups live on
 one process; records are gathered for the metrics; every process runs the same number of
 micro-batches (short ones are padded with empty ones) so no collective waits forever. Only
 the main process logs and writes.
@@ -94,6 +97,7 @@ from trainer.rollout import (
     check_tool_call_costs,
     run_rollouts_async,
 )
+from trainer.sharding import WholeCopy, one_process_group, resolved_distributed, shard
 from trainer.tools import ToolClient, ToolEndpoint
 from trainer.update import PolicyUpdate
 
@@ -101,10 +105,11 @@ KEPT_GROUPS = 4  # groups per step whose best and worst rollouts are written out
 
 
 def refuse_sharded_launch(accelerate_config: str | None) -> None:
-    """FSDP and DeepSpeed are refused before Accelerate starts them: every process samples
-    its rollouts with the whole model, and the trainer accumulates and clips each update
-    itself, which DeepSpeed's engine would override (its gradient accumulation never sees
-    the trainer's, and `max_grad_norm` would be ignored)."""
+    """An accelerate config that asks Accelerate for FSDP or DeepSpeed is refused before
+    Accelerate starts them: sharding is `training.distributed` (trainer/sharding.py), one
+    way to say it. DeepSpeed is not offered: its engine runs its own gradient accumulation
+    and clipping, which would override the trainer's, and it does not run on the CPU
+    machines the tests use; FSDP2 shards what ZeRO-3 does."""
     if not accelerate_config:
         return
     import yaml
@@ -141,8 +146,9 @@ def check_groups(training: Any, items: list[dict[str, Any]], file: str) -> None:
 
 
 def sharded_error(what: str) -> ConfigError:
-    return ConfigError(f"{what} is not supported; use DDP (`accelerate config` -> multi-GPU, distributed_type: "
-                       "MULTI_GPU) with training.lora for models that do not fit otherwise")
+    return ConfigError(f"{what}: the trainer shards the model itself; set training.distributed: fsdp (FSDP2, "
+                       "what DeepSpeed ZeRO-3 does) or ddp, and keep the accelerate config to where the processes "
+                       "run (machines, GPU ids)")
 
 
 class DataOrder:
@@ -184,6 +190,17 @@ class DataOrder:
         epoch, index = divmod(step - 1, self.steps_per_epoch)
         start = index * self.batch_size
         return epoch, start + self.batch_size, self.order(epoch)[start : start + self.batch_size]
+
+
+def resample_share(n_items: int, per_process: int, processes: int, rank: int, seed: int) -> list[int]:
+    """Dynamic sampling's fresh items for one process: one seeded draw without replacement
+    for all processes (the same on each), cut in shares, so no two processes roll out the
+    same item in a round. With fewer items than processes x share, the shares shrink."""
+    order = list(range(n_items))
+    random.Random(seed).shuffle(order)  # a prefix of one permutation: the same draw for any process count
+    drawn = order[: per_process * processes]
+    share = len(drawn) // processes
+    return drawn[rank * share : (rank + 1) * share]
 
 
 def in_loss(record: RolloutRecord, *, mask_truncated: bool) -> bool:
@@ -257,7 +274,10 @@ class GRPOTrainer:
         refuse_sharded_launch(training.accelerate_config)
         from trainer.launch import resolved_mixed_precision
 
-        self.accelerator = acc = Accelerator(mixed_precision=resolved_mixed_precision(training.mixed_precision))
+        self.distributed = resolved_distributed(training)
+        mixed_precision = resolved_mixed_precision(training.mixed_precision)
+        # Under FSDP its mixed-precision policy casts (bf16 compute over float32 shards), not autocast.
+        self.accelerator = acc = Accelerator(mixed_precision="no" if self.distributed == "fsdp" else mixed_precision)
         self.is_main = acc.is_main_process  # this process logs, saves and draws
         set_seed(training.seed)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -269,6 +289,11 @@ class GRPOTrainer:
             )
         if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):  # set by the environment
             raise sharded_error(f"{acc.distributed_type.value} (from the ACCELERATE_* environment)")
+        if self.distributed == "none" and acc.num_processes > 1:
+            raise ConfigError(f"training.distributed is none but {acc.num_processes} processes were started: "
+                              "set training.distributed to ddp or fsdp")
+        if self.distributed == "fsdp":
+            one_process_group(acc.device)
         if not self.endpoints:
             raise ConfigError("tools.endpoints is empty: declare the endpoint of every tool the model may call")
         for name in ("n_epochs", "batch_size", "eval_interval"):
@@ -311,6 +336,8 @@ class GRPOTrainer:
         self.reference = None
         if training.uses_reference and training.lora is None:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            if self.distributed == "fsdp":
+                shard(self.reference, mixed_precision=mixed_precision)
         if training.lora is not None:
             from peft import LoraConfig as PeftLoraConfig
             from peft import get_peft_model
@@ -326,18 +353,26 @@ class GRPOTrainer:
                 ),
             )
         if training.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-        optimizer = torch.optim.AdamW(
+        self.whole = None  # under FSDP: the unsharded copy that samples
+        if self.distributed == "fsdp":
+            self.whole = WholeCopy(model)
+            shard(model, mixed_precision=mixed_precision)
+        optimizer = torch.optim.AdamW(  # after sharding: FSDP replaces the parameters
             [p for p in model.parameters() if p.requires_grad],
             lr=self.hp["learning_rate"],
             weight_decay=training.weight_decay,
         )
-        self.model, self.optimizer = acc.prepare(model, optimizer)
+        if self.distributed == "fsdp":
+            self.model, self.optimizer = model, optimizer  # sharded here, not wrapped by Accelerate
+        else:
+            self.model, self.optimizer = acc.prepare(model, optimizer)
         kl_by_item = {str(item["id"]): training.kl_coef_of(item) for item in self.train_items}
         self.updater = PolicyUpdate(acc, self.model, self.optimizer, config=self.config, tokenizer=self.tokenizer,
                                     reference=self.reference, temperature=self.temperature,
-                                    kl_coef_of=lambda record: kl_by_item[record.item_id])
+                                    kl_coef_of=lambda record: kl_by_item[record.item_id],
+                                    sharded=self.distributed == "fsdp")
         from trainer.backends import make_generator
 
         self.generator = self._exit.enter_context(make_generator(self.config, self, self.output_dir))
@@ -377,8 +412,19 @@ class GRPOTrainer:
             "train_items": len(self.train_items),
         }
 
+    def sampling_model(self) -> torch.nn.Module:
+        """The whole model that rollouts sample with (and vLLM syncs read)."""
+        return self.whole.model if self.whole is not None else self.accelerator.unwrap_model(self.model)
+
+    def _sharded_state(self) -> tuple[Any, Any] | None:
+        return (self.model, self.optimizer) if self.distributed == "fsdp" else None
+
+    def _refresh_whole(self) -> None:
+        if self.whole is not None:
+            self.whole.refresh(self.model)
+
     def _restore(self, path: Path) -> None:
-        state = load_checkpoint(self.accelerator, path)
+        state = load_checkpoint(self.accelerator, path, sharded=self._sharded_state())
         changed = {
             key: (value, state["fingerprint"].get(key))
             for key, value in self._fingerprint().items()
@@ -400,6 +446,7 @@ class GRPOTrainer:
             for stale in self.best.stale_dirs():
                 shutil.rmtree(stale)
             print(f"resumed from {path} at step {self.step}")
+        self._refresh_whole()
         self.generator.sync(self.step)
 
     # -- the loop ----------------------------------------------------------------------
@@ -418,6 +465,7 @@ class GRPOTrainer:
                 started = time.perf_counter()
                 metrics = self._train_step(step)
                 synced = time.perf_counter()
+                self._refresh_whole()
                 self.generator.sync(step)
                 metrics["timing/sync_s"] = time.perf_counter() - synced
                 evaluate = bool(self.eval_items) and (step % self.hp["eval_interval"] == 0 or step == self.total_steps)
@@ -455,8 +503,9 @@ class GRPOTrainer:
         if training.dynamic_sampling:
 
             def sample(round_: int) -> list[RolloutRecord]:
-                rng = random.Random(derived_seed(training.seed, f"resample:{round_}", step))
-                fresh = rng.sample(self.train_items, min(len(mine), len(self.train_items)))
+                fresh = resample_share(len(self.train_items), len(mine), acc.num_processes, acc.process_index,
+                                       derived_seed(training.seed, f"resample:{round_}", step))
+                fresh = [self.train_items[i] for i in fresh]
                 new = self._rollouts(fresh, group_size, derived_seed(training.seed, f"resample:{round_}", step),
                                      step - 1)
                 sampled.extend(new)
@@ -468,7 +517,11 @@ class GRPOTrainer:
             )
         sampling_s = time.perf_counter() - started
         rewards = [r.reward if in_loss(r, mask_truncated=mask_truncated) else None for r in records]
-        advantages, silent_groups = batch_advantages(rewards, group_size, scale_rewards=training.scale_rewards)
+        # `scale_rewards: batch` divides by the std of the whole batch, every process's rewards
+        everyone = ([x for part in gather_object([[x for x in rewards if x is not None]]) for x in part]
+                    if training.scale_rewards == "batch" and acc.num_processes > 1 else None)
+        advantages, silent_groups = batch_advantages(rewards, group_size, scale_rewards=training.scale_rewards,
+                                                     batch_rewards=everyone)
 
         started = time.perf_counter()
         lr = self.hp["learning_rate"] * lr_factor(
@@ -510,7 +563,7 @@ class GRPOTrainer:
         if not items:
             return []
         rollout, tools = self.config.rollout, self.config.tools
-        model = self.accelerator.unwrap_model(self.model)
+        model = self.sampling_model()
         model.eval()  # no dropout while sampling; the engine refuses a training model
         backend = self.generator.backend(seed)
 
@@ -549,7 +602,7 @@ class GRPOTrainer:
         if step > 0 and self.best.admits(rank_by):
             best = BestCheckpoints(self.best.root, self.best.keep, self.best.to_json())
             path, evicted = best.add(step, rank_by)
-            save_model(acc, self.model, self.tokenizer, path)
+            save_model(acc, self._saved_model(), self.tokenizer, path)
             self.best = best  # recorded only once its model is on disk (a full disk raises before)
             if self.is_main:
                 for old in evicted:
@@ -592,14 +645,19 @@ class GRPOTrainer:
             "best": self.best.to_json(),
             "fingerprint": self._fingerprint(),
         }
-        save_checkpoint(self.accelerator, self.checkpoints_dir, self.step, state)
+        save_checkpoint(self.accelerator, self.checkpoints_dir, self.step, state, sharded=self._sharded_state())
+
+    def _saved_model(self) -> torch.nn.Module:
+        """What a model directory is written from: under FSDP the whole copy (refreshed
+        after every step), else the trained model."""
+        return self.whole.model if self.whole is not None else self.model
 
     def _finish(self) -> Path:
         """Save the final model, draw the figures and hand the artifacts to MLflow."""
         from trainer.data import read_jsonl
 
         final = self.output_dir / "final"
-        save_model(self.accelerator, self.model, self.tokenizer, final)
+        save_model(self.accelerator, self._saved_model(), self.tokenizer, final)
         if self.is_main:
             figures = self.output_dir / "figures"
             plot_training(

@@ -17,7 +17,10 @@ types differ in how tokens are summed (`token_weights`):
 
 - `grpo`: each rollout's mean over its tokens, then the mean over rollouts;
 - `dapo`: the mean over every token of the update (a long rollout is not down-weighted);
-- `dr_grpo`: the sum over tokens divided by a constant, max_tokens x rollouts;
+- `dr_grpo`: the sum over tokens divided by a constant, the generation budget x rollouts
+  (Dr. GRPO's and TRL's constant is the most tokens a completion may have; an agent's
+  rollout generates at most max_turns x max_new_tokens_per_turn, and never more than the
+  context, `generation_budget`);
 - `gspo`: one importance ratio per rollout, exp(mean over its tokens of new - old), used
   as a detached factor on a token-level gradient (GSPO-token), summed as `grpo`.
 
@@ -30,6 +33,7 @@ import hashlib
 import math
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -56,11 +60,13 @@ def group_advantages(rewards: Sequence[float | None], *, divisor: float | None) 
 
 
 def batch_advantages(
-    rewards: Sequence[float | None], group_size: int, *, scale_rewards: str
+    rewards: Sequence[float | None], group_size: int, *, scale_rewards: str,
+    batch_rewards: Sequence[float] | None = None,
 ) -> tuple[list[float | None], int]:
     """Advantages of consecutive groups of `group_size` rewards (None: not in the loss) and
-    the number of groups without signal."""
-    present = [r for r in rewards if r is not None]
+    the number of groups without signal. `batch_rewards`: every reward of the step's batch
+    when `rewards` is one process's share (the std of `scale_rewards: batch` is the batch's)."""
+    present = [r for r in rewards if r is not None] if batch_rewards is None else list(batch_rewards)
     divisor = {
         "group": None,
         "batch": (statistics.stdev(present) if len(present) > 1 else 0.0) + ADVANTAGE_EPS,
@@ -114,8 +120,81 @@ def chunked_logprobs(
     return torch.cat(pieces, dim=1), entropy
 
 
+class _LinearLogprobs(torch.autograd.Function):
+    """log softmax(h W^T + b) / T) at the targets, `chunk` rows at a time, with a backward
+    that recomputes each chunk's logits and turns them into their own gradient in place
+    ((onehot - softmax) * g / T): at most two [chunk, V] float32 tensors at a time in
+    forward (logsumexp's own, the entropy's), one in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, temperature: float, chunk: int, with_entropy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs = hidden.new_empty(hidden.size(0), dtype=torch.float32)
+        norms = torch.empty_like(logprobs)
+        entropy = logprobs.new_zeros(())
+        for start in range(0, hidden.size(0), chunk):
+            rows = slice(start, start + chunk)
+            x = torch.nn.functional.linear(hidden[rows], weight, bias).float()
+            if temperature != 1.0:
+                x.div_(temperature)
+            norm = torch.logsumexp(x, dim=-1)
+            norms[rows] = norm
+            x.sub_(norm.unsqueeze(-1))  # log-probabilities, in place
+            logprobs[rows] = x.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+            if with_entropy:  # H = -sum p log p, as a batched dot product: two [chunk, V] tensors at most
+                entropy -= (x.exp().unsqueeze(-2) @ x.unsqueeze(-1)).sum()
+        ctx.save_for_backward(hidden, weight, bias, targets, norms)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: torch.Tensor) -> tuple[Any, ...]:
+        hidden, weight, bias, targets, norms = ctx.saved_tensors
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
+        for start in range(0, hidden.size(0), ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            x = torch.nn.functional.linear(hidden[rows], weight, bias).float()
+            if ctx.temperature != 1.0:
+                x.div_(ctx.temperature)
+            x.sub_(norms[rows].unsqueeze(-1)).exp_().neg_()  # -softmax
+            x.scatter_add_(-1, targets[rows].unsqueeze(-1), torch.ones_like(x[:, :1]))  # onehot - softmax
+            x.mul_((grad[rows] / ctx.temperature).unsqueeze(-1))
+            if want_h:
+                grad_h[rows] = (x.to(weight.dtype) @ weight).to(hidden.dtype)
+            if want_w:
+                grad_w += x.T @ hidden[rows].float()
+            if want_b:
+                grad_b += x.sum(0)
+        return (grad_h, grad_w.to(weight.dtype) if want_w else None, grad_b.to(bias.dtype) if want_b else None,
+                None, None, None, None)
+
+
+def fused_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+    temperature: float, *, chunk: int, with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax((hidden W^T + b) / T) at `targets` for [N, H] hidden states (the
+    positions whose next token was generated), [N]: the output projection and the
+    log-softmax of `chunk` positions at a time, in forward and again in backward, so no
+    [N, V] logits exist at once in either pass; only the hidden states are kept. With
+    `with_entropy`, also the summed entropy (no gradient). An empty `hidden` still puts
+    the projection in the graph (DDP and FSDP expect every parameter in every backward)."""
+    logprobs, entropy = _LinearLogprobs.apply(hidden, weight, bias, targets, temperature, chunk, with_entropy)
+    return logprobs, (entropy if with_entropy else None)
+
+
+def generation_budget(max_turns: int, max_new_tokens_per_turn: int, max_total_tokens: int) -> int:
+    """The most tokens one rollout can generate: `dr_grpo`'s constant."""
+    return min(max_turns * max_new_tokens_per_turn, max_total_tokens)
+
+
 def token_weights(
-    mask: torch.Tensor, *, loss_type: str, update_tokens: float, update_rollouts: float, max_tokens: int
+    mask: torch.Tensor, *, loss_type: str, update_tokens: float, update_rollouts: float, generation_budget: int
 ) -> torch.Tensor:
     """Each token's weight in the update's loss (see the module docstring): the update's
     loss is the weighted sum of per-token losses, whatever its micro-batches."""
@@ -124,7 +203,7 @@ def token_weights(
         case "dapo":
             return mask / max(update_tokens, 1.0)
         case "dr_grpo":
-            return mask / (max_tokens * max(update_rollouts, 1.0))
+            return mask / (generation_budget * max(update_rollouts, 1.0))
         case "grpo" | "gspo":
             per_rollout = mask.sum(-1, keepdim=True).clamp(min=1.0)
             return mask / per_rollout / max(update_rollouts, 1.0)
@@ -168,7 +247,9 @@ def policy_loss(
         sampler_log_ratio = torch.where(mask, (old - sampler).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
         tis = sampler_log_ratio.exp().clamp(max=tis_cap)
         per_token = per_token * tis
-        stats["sampler_kl"] = torch.where(mask, (-sampler_log_ratio).exp() + sampler_log_ratio - 1, zero).sum()
+        # KL(sampler || trainer) from the sampler's own tokens: k3 with r = trainer / sampler,
+        # r - 1 - log r, whose mean under the sampler is that KL exactly.
+        stats["sampler_kl"] = torch.where(mask, sampler_log_ratio.exp() - 1 - sampler_log_ratio, zero).sum()
         stats["sampler_diff_max"] = torch.where(mask, sampler_log_ratio.abs(), zero).max() if mask.any() else zero
         stats["tis_capped"] = (mask & (sampler_log_ratio.exp() > tis_cap)).sum().float()
     if ref is not None:

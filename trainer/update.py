@@ -3,11 +3,16 @@
 `PolicyUpdate.update` runs `ppo_epochs` passes over the rollouts that have an advantage,
 each split into `mini_batches` optimizer updates of micro-batches of similar length (less
 padding; an update's gradient is a weighted sum over its tokens, so the grouping does not
-change it). The old policy is the trainer: `new.detach()` with one pass, one no-grad
-forward before the first update with several. Log-probabilities are computed over the
-completion span only (`logits_to_keep`) and `logprob_chunk_tokens` positions at a time, so
-no float32 [batch, length, vocabulary] tensor of the whole sequences exists. Under DDP the
-gradients add up locally (`no_sync`) and are averaged once per update; every process runs
+change it). The old policy is the trainer: `new.detach()` when the step makes one
+optimizer update, one no-grad forward before the first update when it makes several
+(`ppo_epochs > 1` or `mini_batches > 1`), so that every later update's ratio measures how
+far the earlier ones moved the policy and the clip holds it in its trust region. Log-probabilities are computed only at the
+generated tokens (not the prompt, not the tool outputs between turns): the model's output
+projection is replaced, for the forward, by one that projects `logprob_chunk_tokens` of
+those positions at a time and recomputes each chunk in backward (trainer/loss.py
+`fused_logprobs`), so neither pass holds more than a chunk's [tokens, vocabulary] logits.
+Under DDP (and FSDP) the gradients add up locally (`no_sync`; FSDP's
+`set_requires_gradient_sync`) and are averaged once per update; every process runs
 the same number of updates and micro-batches (short ones are padded with empty ones).
 """
 
@@ -21,8 +26,16 @@ from typing import Any
 
 import torch
 
-from trainer.loss import chunked_logprobs, derived_seed, policy_loss, token_weights
+from trainer.loss import (
+    chunked_logprobs,
+    derived_seed,
+    fused_logprobs,
+    generation_budget,
+    policy_loss,
+    token_weights,
+)
 from trainer.rollout import RolloutRecord
+from trainer.sharding import clip_grad_norm
 
 # Names of the stats summed over micro-batches (and processes) in one step.
 _STATS = ("loss", "kl", "clipped", "entropy", "tokens", "sampler_kl", "tis_capped")
@@ -32,8 +45,10 @@ class PolicyUpdate:
     """The optimisation half of a GRPO step, on an Accelerate-prepared model."""
 
     def __init__(self, accelerator: Any, model: Any, optimizer: Any, *, config: Any, tokenizer: Any,
-                 reference: Any, temperature: float, kl_coef_of: Callable[[RolloutRecord], float]):
+                 reference: Any, temperature: float, kl_coef_of: Callable[[RolloutRecord], float],
+                 sharded: bool = False):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+        self.sharded = sharded  # an FSDP2 model (trainer/sharding.py), not one Accelerate wraps
         self.config, self.tokenizer, self.reference, self.temperature = config, tokenizer, reference, temperature
         self.kl_coef_of = kl_coef_of  # a rollout's KL coefficient (`training.kl_coef_by_group`)
 
@@ -46,7 +61,7 @@ class PolicyUpdate:
         sampler_diff_max = torch.zeros((), device=acc.device)
         norms: list[float] = []
         old: dict[int, torch.Tensor] = {}  # rollout index -> logprob of each token, by position
-        if training.ppo_epochs > 1:  # the policy before this step's updates, once
+        if training.ppo_epochs > 1 or training.mini_batches > 1:  # the policy before this step's updates, once
             with torch.no_grad():
                 for batch in self._micro_batches(list(enumerate(chosen))):
                     logprobs, tensors = self._logprobs(batch)
@@ -76,13 +91,16 @@ class PolicyUpdate:
                     # Gradients add up locally; DDP averages them over processes once, at the
                     # update's last micro-batch, so the loss is scaled by the process count.
                     sync = index == len(micro) - 1
-                    with nullcontext() if sync else acc.no_sync(self.model):
+                    if self.sharded:  # FSDP2 reduce-scatters the gradients at the last micro-batch only
+                        self.model.set_requires_gradient_sync(sync)
+                    with nullcontext() if sync or self.sharded else acc.no_sync(self.model):
                         loss, stats = self._micro_batch_loss(batch, old, update_tokens=totals[0],
                                                              update_rollouts=totals[1])
                         acc.backward(loss * acc.num_processes)
                     sums += torch.stack([stats.get(name, torch.zeros((), device=acc.device)) for name in _STATS])
                     sampler_diff_max = torch.maximum(sampler_diff_max, stats.get("sampler_diff_max", sampler_diff_max))
-                norm = acc.clip_grad_norm_(self.model.parameters(), training.max_grad_norm)
+                norm = (clip_grad_norm(list(self.model.parameters()), training.max_grad_norm) if self.sharded
+                        else acc.clip_grad_norm_(self.model.parameters(), training.max_grad_norm))
                 norms.append(float(norm) if norm is not None else float("nan"))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -126,17 +144,45 @@ class PolicyUpdate:
             attention[b, : len(ids)] = 1
             generated[b, : len(ids)] = torch.tensor(gen_mask, dtype=torch.bool)
         input_ids, attention, generated = input_ids.to(device), attention.to(device), generated.to(device)
-        # Logits only from the first generated token's predecessor on: the prompt is context,
-        # and no [B, L, V] tensor of the whole sequences is made.
+        # Hidden states only from the first generated token's predecessor on: the prompt is
+        # context, and the output projection runs only where the next token was generated.
         first = int(generated.float().argmax(-1)[generated.any(-1)].min()) if generated.any() else width - 1
         first = max(first, 1)
         forward = model or self.model
-        logits = forward(input_ids=input_ids, attention_mask=attention, use_cache=False,
-                         logits_to_keep=width - first + 1).logits
         mask = generated[:, first:]
-        logprobs, ent = chunked_logprobs(logits[:, :-1], input_ids[:, first:], self.temperature,
-                                         chunk=self.config.training.logprob_chunk_tokens, with_entropy=entropy,
-                                         mask=mask)
+        targets = input_ids[:, first:][mask]
+        chunk = self.config.training.logprob_chunk_tokens
+        inner = self.accelerator.unwrap_model(forward)
+        head = inner.get_output_embeddings()
+        config = getattr(inner, "config", None)
+        # A model that transforms its logits after the projection (Gemma's soft-capping,
+        # Cohere's logit scale) or has no plain projection: log-probabilities from its logits.
+        if (not isinstance(getattr(head, "weight", None), torch.Tensor)
+                or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None)):
+            logits = forward(input_ids=input_ids, attention_mask=attention, use_cache=False,
+                             logits_to_keep=width - first + 1).logits
+            logprobs, ent = chunked_logprobs(logits[:, :-1], input_ids[:, first:], self.temperature, chunk=chunk,
+                                             with_entropy=entropy, mask=mask)
+            return logprobs, {"mask": mask, "first": first, "entropy": ent}
+        found: dict[str, Any] = {}
+
+        def project(hidden: torch.Tensor) -> torch.Tensor:
+            # In the head's own forward, where sharded parameters are whole; what it returns
+            # is what the model returns as its logits, so the gradient flows through the
+            # model's output (FSDP's backward hooks sit there).
+            logprobs, found["entropy"] = fused_logprobs(
+                hidden[:, :-1][mask], head.weight, getattr(head, "bias", None), targets, self.temperature,
+                chunk=chunk, with_entropy=entropy)
+            return logprobs
+
+        head.forward = project
+        try:
+            flat = forward(input_ids=input_ids, attention_mask=attention, use_cache=False,
+                           logits_to_keep=width - first + 1).logits
+        finally:
+            del head.forward  # the class's forward again
+        logprobs = torch.zeros(mask.shape, dtype=flat.dtype, device=device).masked_scatter(mask, flat)
+        ent = found["entropy"]
         return logprobs, {"mask": mask, "first": first, "entropy": ent}
 
     def _micro_batch_loss(
@@ -159,10 +205,13 @@ class PolicyUpdate:
         advantages = torch.tensor([a for _, (_, a) in batch] or [0.0], device=device)
         coefs = torch.tensor([self.kl_coef_of(record) for _, (record, _) in batch] or [0.0], device=device)
         ref = self._reference_logprobs(batch) if training.uses_reference else None
+        rollout = self.config.rollout
+        budget = generation_budget(rollout.max_turns, rollout.max_new_tokens_per_turn, rollout.max_total_tokens)
         weights = token_weights(mask, loss_type=training.loss_type, update_tokens=update_tokens,
-                                update_rollouts=update_rollouts, max_tokens=self.config.rollout.max_total_tokens)
+                                update_rollouts=update_rollouts, generation_budget=budget)
+        low, high = training.clip_range()
         loss, stats = policy_loss(
-            new, old_t, advantages, mask, weights, epsilon=training.epsilon, epsilon_high=training.epsilon_high,
+            new, old_t, advantages, mask, weights, epsilon=low, epsilon_high=high,
             loss_type=training.loss_type, sampler=sampler, tis_cap=training.tis_cap, kl_coef=coefs, ref=ref,
         )
         stats["entropy"] = tensors["entropy"]

@@ -424,8 +424,7 @@ class VllmGenerator:
     # -- the three ways -------------------------------------------------------------------------
 
     def _policy(self) -> torch.nn.Module:
-        trainer = self.trainer
-        return trainer.accelerator.unwrap_model(trainer.model)
+        return self.trainer.sampling_model()
 
     def _served_dtype(self) -> torch.dtype:
         if self._dtype is None:
@@ -546,7 +545,7 @@ def _servable_dir(trainer: Any, fallback: Path) -> str:
     one, else the trainer's weights written to `fallback` (a hub id or a registry URI)."""
     if Path(trainer.model_path, "config.json").is_file():
         return str(Path(trainer.model_path).resolve())
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    model = trainer.sampling_model()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.config.save_pretrained(str(fallback))
     if getattr(base, "generation_config", None) is not None:

@@ -35,7 +35,7 @@ from tests.taught_model import (
 from trainer.config import config_from_dict
 from trainer.data import read_items, read_jsonl
 from trainer.errors import ConfigError
-from trainer.grpo import GRPOTrainer, fill_batch, in_loss, train
+from trainer.grpo import GRPOTrainer, fill_batch, in_loss, resample_share, train
 from trainer.loss import batch_advantages, chunked_logprobs, policy_loss, token_weights
 from trainer.rollout import RolloutRecord, RolloutSettings, run_rollouts_async
 from trainer.tools import ToolClient, ToolEndpoint
@@ -296,7 +296,7 @@ def test_loss_gives_no_gradient_to_tool_output_tokens(world, endpoints, taught_m
         new, _ = chunked_logprobs(logits[:, :-1], token_ids[:, 1:], 0.7, chunk=64)
         old = torch.tensor([record.logprobs[1:]]) - 0.05  # off-policy: clipping and ratios all in play
         weights = token_weights(mask, loss_type="dapo", update_tokens=float(mask.sum()), update_rollouts=1.0,
-                                max_tokens=768)
+                                generation_budget=768)
         loss, _ = policy_loss(new, old, torch.tensor([1.0]), mask, weights, epsilon=0.2, kl_coef=0.1,
                               ref=new.detach() + 0.1)
         loss.backward()
@@ -333,60 +333,138 @@ def test_lora_run_saves_merged_weights(world, endpoints, taught_model):
     AutoModelForCausalLM.from_pretrained(result.model_dir)
 
 
-@pytest.mark.slow
-def test_two_processes_end_with_identical_weights(two_step_run, world, endpoints, taught_model, tmp_path):
-    """Two CPU processes under `accelerate launch`: rollouts sharded by item, DDP update.
-    Both processes must hold the same weights, and the same as the one-process run.
-    (`accelerate launch --cpu --num_processes 2` would start one process: accelerate
-    spawns several CPU processes through MPI only. Its torchrun launcher with
-    ACCELERATE_USE_CPU=true starts two gloo processes, as `trainer.train_cli` does.)"""
-    reference_dir, _, _ = two_step_run
-    config = micro_config(world, endpoints)
+TWO_PROCESSES = textwrap.dedent("""
+    import hashlib, sys
+    from pathlib import Path
+    from trainer.config import load_config
+    from trainer.grpo import GRPOTrainer
+
+    config_file, model, out, stop_after, resume = sys.argv[1:6]
+    trainer = GRPOTrainer(load_config(config_file), model_path=model, output_dir=Path(out), resume=resume == "1")
+    trainer.setup()
+    try:
+        trainer.train(stop_after=int(stop_after) or None)
+        digest = hashlib.sha256()
+        state = trainer.sampling_model().state_dict()
+        for name in sorted(state):
+            digest.update(name.encode())
+            digest.update(state[name].detach().cpu().numpy().tobytes())
+        rank = trainer.accelerator.process_index
+        (Path(out) / f"weights_{rank}.sha256").write_text(digest.hexdigest())
+    finally:
+        trainer.cleanup()
+""")
+
+
+def two_processes(config, taught_model: Path, tmp_path: Path, out: Path, *, stop_after: int = 0,
+                  resume: bool = False) -> None:
+    """Run the trainer as two gloo CPU processes under `accelerate launch`. (`accelerate
+    launch --cpu --num_processes 2` would start one process: accelerate spawns several CPU
+    processes through MPI only. Its torchrun launcher with ACCELERATE_USE_CPU=true starts
+    two gloo processes, as `trainer.train_cli` does.)"""
     config_file = tmp_path / "micro.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     script = tmp_path / "two_processes.py"
-    script.write_text(textwrap.dedent("""
-        import hashlib, sys
-        from pathlib import Path
-        from trainer.config import load_config
-        from trainer.grpo import GRPOTrainer
-
-        config_file, model, out = sys.argv[1:4]
-        trainer = GRPOTrainer(load_config(config_file), model_path=model, output_dir=Path(out))
-        trainer.setup()
-        try:
-            trainer.train()
-            digest = hashlib.sha256()
-            state = trainer.accelerator.unwrap_model(trainer.model).state_dict()
-            for name in sorted(state):
-                digest.update(name.encode())
-                digest.update(state[name].detach().cpu().numpy().tobytes())
-            rank = trainer.accelerator.process_index
-            (Path(out) / f"weights_{rank}.sha256").write_text(digest.hexdigest())
-        finally:
-            trainer.cleanup()
-    """))
+    script.write_text(TWO_PROCESSES)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--main_process_port", str(port), str(script), str(config_file), str(taught_model), str(out)],
+         "--main_process_port", str(port), str(script), str(config_file), str(taught_model), str(out),
+         str(stop_after), "1" if resume else "0"],
         env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     hashes = [(out / f"weights_{rank}.sha256").read_text() for rank in (0, 1)]
-    assert hashes[0] == hashes[1]
-    final = _weights(out / "final")
-    reference = _weights(reference_dir / "final")
+    assert hashes[0] == hashes[1]  # every process samples with the same whole model
+
+
+def assert_same_run(one: Path, two: Path) -> None:
+    """Two processes end where one does, on the same global batch: weights within 1e-4
+    (float32 sums in another order, over two steps of AdamW), metrics within 1e-4."""
+    final, reference = _weights(two / "final"), _weights(one / "final")
     assert max((reference[k] - final[k]).abs().max().item() for k in reference) < 1e-4
-    one, two = read_jsonl(reference_dir / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
-    for want, have in zip(one, two, strict=True):
+    for want, have in zip(read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl"), strict=True):
         for key in ("train/reward_mean", "train/rollouts_in_loss", "train/loss", "eval/score_mean"):
             if key in want:
                 assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (want["step"], key)
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_end_with_the_weights_of_one(two_step_run, world, endpoints, taught_model, tmp_path):
+    """Rollouts sharded by item, DDP update: the same weights on both processes, and the
+    same as the one-process run."""
+    reference_dir, _, _ = two_step_run
+    config = micro_config(world, endpoints, num_processes=2, distributed="ddp")
+    two_processes(config, taught_model, tmp_path, tmp_path / "run")
+    assert_same_run(reference_dir, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_two_fsdp_processes_stopped_and_resumed_end_with_the_weights_of_one(world, endpoints, taught_model,
+                                                                           tmp_path):
+    """FSDP2 over two gloo processes with the KL reference sharded too, `scale_rewards:
+    batch` (the std of both processes' rewards), stopped after step 1 and resumed from its
+    sharded checkpoint: the model directory saved whole equals the one-process run's."""
+    config = micro_config(world, endpoints, scale_rewards="batch")
+    one = train(config, model_path=str(taught_model), output_dir=tmp_path / "one")
+    assert one.model_dir is not None
+    sharded = micro_config(world, endpoints, scale_rewards="batch", num_processes=2, distributed="fsdp")
+    two_processes(sharded, taught_model, tmp_path, tmp_path / "two", stop_after=1)
+    shards = tmp_path / "two" / "checkpoints" / "step_1" / "model_shards"
+    assert len(list(shards.glob("*.distcp"))) == 2  # each process wrote its own shards
+    two_processes(sharded, taught_model, tmp_path, tmp_path / "two", resume=True)
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final")
+
+
+@pytest.mark.slow
+def test_two_fsdp_processes_train_lora_as_one_process_does(world, endpoints, taught_model, tmp_path):
+    """LoRA under FSDP2 (frozen base and trainable adapters sharded in the same groups; the
+    KL reference is the base with the adapters off): the merged model directory equals the
+    one-process run's."""
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    config = micro_config(world, endpoints, max_steps=1, eval_samples=1, lora=lora)
+    assert train(config, model_path=str(taught_model), output_dir=tmp_path / "one").model_dir is not None
+    sharded = micro_config(world, endpoints, max_steps=1, eval_samples=1, lora=lora, num_processes=2,
+                           distributed="fsdp")
+    two_processes(sharded, taught_model, tmp_path, tmp_path / "two")
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    assert set(_weights(tmp_path / "two" / "final")) == set(_weights(taught_model))  # merged
+
+
+def test_fsdp_on_one_process_trains_as_without_it(world, endpoints, taught_model, tmp_path):
+    """FSDP on one device (a world of one: what a single GPU runs) is the plain update."""
+    plain = train(micro_config(world, endpoints, max_steps=1, eval_samples=1), model_path=str(taught_model),
+                  output_dir=tmp_path / "plain")
+    sharded = train(micro_config(world, endpoints, max_steps=1, eval_samples=1, distributed="fsdp"),
+                    model_path=str(taught_model), output_dir=tmp_path / "fsdp")
+    a, b = _weights(plain.model_dir), _weights(sharded.model_dir)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4  # as two processes: AdamW over float32 sums
+
+
+def test_dynamic_sampling_gives_every_process_distinct_items():
+    shares = [resample_share(10, 3, 2, rank, seed=7) for rank in (0, 1)]
+    assert all(len(share) == 3 for share in shares) and not set(shares[0]) & set(shares[1])
+    # the draw does not depend on the process count: two processes cover one process's items
+    assert sorted(shares[0] + shares[1]) == sorted(resample_share(10, 6, 1, 0, seed=7))
+    small = [resample_share(3, 2, 2, rank, seed=7) for rank in (0, 1)]
+    assert [len(share) for share in small] == [1, 1] and not set(small[0]) & set(small[1])
+
+
+def test_batch_scaling_over_processes_is_the_one_process_value():
+    rewards = [1.0, 0.0, 0.5, None, 0.9, 0.1, 0.2, 0.2]
+    whole, _ = batch_advantages(rewards, 2, scale_rewards="batch")
+    everyone = [r for r in rewards if r is not None]
+    halves = [batch_advantages(rewards[:4], 2, scale_rewards="batch", batch_rewards=everyone)[0],
+              batch_advantages(rewards[4:], 2, scale_rewards="batch", batch_rewards=everyone)[0]]
+    assert halves[0] + halves[1] == pytest.approx(whole)
+    alone, _ = batch_advantages(rewards[:4], 2, scale_rewards="batch")
+    assert alone != pytest.approx(halves[0])  # a process's own std would differ
 
 
 def _record(item: str, reward: float | None, *, truncated: bool = False) -> RolloutRecord:
@@ -451,7 +529,8 @@ def test_deepspeed_and_fsdp_are_refused_with_the_alternative(world, endpoints, t
     accelerate_config.write_text(yaml.safe_dump(settings))
     config = micro_config(world, endpoints, accelerate_config=str(accelerate_config))
     trainer = GRPOTrainer(config, model_path=str(taught_model), output_dir=tmp_path / "out")
-    with pytest.raises(ConfigError, match=f"{settings['distributed_type']} is not supported; use DDP .*training.lora"):
+    with pytest.raises(ConfigError, match=f"{settings['distributed_type']}: the trainer shards the model itself; "
+                                          "set training.distributed: fsdp"):
         trainer.setup()
     trainer.cleanup()
 

@@ -21,6 +21,8 @@ from trainer.loss import (
     ADVANTAGE_EPS,
     batch_advantages,
     chunked_logprobs,
+    fused_logprobs,
+    generation_budget,
     group_advantages,
     lr_factor,
     policy_loss,
@@ -46,14 +48,14 @@ def per_token_clipped(log_ratio: float, advantage: float, low: float = 0.2, high
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_each_loss_type_matches_a_hand_computed_loss(loss_type):
     new, old, advantages, mask = two_rollouts()
-    weights = token_weights(mask, loss_type=loss_type, update_tokens=5, update_rollouts=2, max_tokens=10)
+    weights = token_weights(mask, loss_type=loss_type, update_tokens=5, update_rollouts=2, generation_budget=10)
     loss, stats = policy_loss(new, old, advantages, mask, weights, epsilon=0.2, loss_type=loss_type)
     a = [per_token_clipped(0.1, 1), per_token_clipped(-0.1, 1)]
     b = [per_token_clipped(0.05, -1), per_token_clipped(0.3, -1), per_token_clipped(-0.2, -1)]
     expected = {
         "dapo": (sum(a) + sum(b)) / 5,  # every token of the update alike
         "grpo": (sum(a) / 2 + sum(b) / 3) / 2,  # each rollout's mean, then the mean
-        "dr_grpo": (sum(a) + sum(b)) / (10 * 2),  # a constant: max tokens x rollouts
+        "dr_grpo": (sum(a) + sum(b)) / (10 * 2),  # a constant: the generation budget x rollouts
     }
     if loss_type == "gspo":
         seq_a, seq_b = (0.1 - 0.1) / 2, (0.05 + 0.3 - 0.2) / 3  # one ratio per rollout
@@ -66,7 +68,7 @@ def test_each_loss_type_matches_a_hand_computed_loss(loss_type):
 
 def test_gspo_gradient_is_the_sequence_ratio_times_each_token_gradient():
     new, old, advantages, mask = two_rollouts()
-    weights = token_weights(mask, loss_type="gspo", update_tokens=5, update_rollouts=2, max_tokens=10)
+    weights = token_weights(mask, loss_type="gspo", update_tokens=5, update_rollouts=2, generation_budget=10)
     loss, _ = policy_loss(new, old, advantages, mask, weights, epsilon=10.0, loss_type="gspo")  # no clipping
     loss.backward()
     # d/dnew_t of -s * A * w_t with s = exp(mean log-ratio) detached, times the token's own ratio (1)
@@ -109,7 +111,7 @@ def test_truncated_importance_sampling_weights_are_capped():
 def test_a_kl_coefficient_per_rollout_weighs_each_rollouts_k3_term():
     new, old, advantages, mask = two_rollouts()
     ref = torch.tensor([[0.3, 0.0, 0.0], [-0.2, 0.1, 0.4]])
-    weights = token_weights(mask, loss_type="dapo", update_tokens=5, update_rollouts=2, max_tokens=10)
+    weights = token_weights(mask, loss_type="dapo", update_tokens=5, update_rollouts=2, generation_budget=10)
     loss, _ = policy_loss(new, old, advantages, mask, weights, epsilon=0.2, kl_coef=torch.tensor([0.0, 0.5]),
                           ref=ref)
 
@@ -158,6 +160,72 @@ def test_chunked_logprobs_equal_the_full_log_softmax():
     assert entropy.item() == pytest.approx(-(probs * probs.log()).sum().item(), rel=1e-5)
 
 
+def test_fused_logprobs_equal_the_logits_path_in_value_and_gradient():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 9, 8)
+    weight = torch.randn(13, 8)
+    targets = torch.randint(0, 13, (2, 9))
+    mask = torch.rand(2, 9) > 0.4  # generated tokens between tool outputs
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    reference, ref_entropy = chunked_logprobs(h1 @ w1.T, targets, 0.7, chunk=4, with_entropy=True, mask=mask)
+    (reference[mask] * torch.arange(1.0, mask.sum() + 1)).sum().backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    fused, entropy = fused_logprobs(h2[mask], w2, None, targets[mask], 0.7, chunk=3, with_entropy=True)
+    (fused * torch.arange(1.0, mask.sum() + 1)).sum().backward()
+    assert torch.allclose(fused, reference[mask], atol=1e-6)
+    assert entropy.item() == pytest.approx(ref_entropy.item(), rel=1e-5)
+    assert torch.allclose(h2.grad, h1.grad, atol=1e-6) and torch.allclose(w2.grad, w1.grad, atol=1e-5)
+    # with a bias, through the same backward
+    b1, b2 = torch.randn(13, requires_grad=True), None
+    reference, _ = chunked_logprobs(hidden @ weight.T + b1, targets, 1.3, chunk=4)
+    reference[mask].sum().backward()
+    b2 = b1.detach().clone().requires_grad_()
+    fused, _ = fused_logprobs(hidden[mask], weight, b2, targets[mask], 1.3, chunk=2)
+    fused.sum().backward()
+    assert torch.allclose(fused, reference[mask], atol=1e-6) and torch.allclose(b2.grad, b1.grad, atol=1e-6)
+    # no position at all still puts the head in the graph (DDP, FSDP)
+    empty, _ = fused_logprobs(hidden[:0, 0], w2, None, targets[:0, 0], 1.0, chunk=4)
+    assert empty.shape == (0,) and empty.grad_fn is not None
+
+
+def test_dr_grpo_divides_by_the_generation_budget():
+    # 3 turns of at most 64 new tokens in a 1024-token context: 192; the context caps it
+    assert generation_budget(3, 64, 1024) == 192 and generation_budget(12, 256, 2048) == 2048
+    new, old, advantages, mask = two_rollouts()
+    weights = token_weights(mask, loss_type="dr_grpo", update_tokens=5, update_rollouts=2,
+                            generation_budget=generation_budget(3, 64, 1024))
+    loss, _ = policy_loss(new, old, advantages, mask, weights, epsilon=0.2, loss_type="dr_grpo")
+    a = [per_token_clipped(0.1, 1), per_token_clipped(-0.1, 1)]
+    b = [per_token_clipped(0.05, -1), per_token_clipped(0.3, -1), per_token_clipped(-0.2, -1)]
+    assert loss.item() == pytest.approx((sum(a) + sum(b)) / (192 * 2), rel=1e-6)
+
+
+def test_sampler_kl_is_kl_of_the_sampler_from_the_trainer_in_closed_form():
+    """Under the sampler's own distribution the per-token statistic averages to KL(sampler ||
+    trainer) exactly: weight each token of a vocabulary by its sampler probability."""
+    sampler = torch.log_softmax(torch.tensor([1.0, 0.2, -0.5, 2.0]), -1)
+    trainer = torch.log_softmax(torch.tensor([0.4, 0.9, -1.0, 1.5]), -1)
+    expected = (sampler.exp() * (sampler - trainer)).sum().item()
+    estimate = 0.0
+    for token in range(4):
+        mask = torch.tensor([[True]])
+        _, stats = policy_loss(trainer[token].view(1, 1), trainer[token].view(1, 1), torch.tensor([1.0]), mask,
+                               torch.ones(1, 1), epsilon=0.2, sampler=sampler[token].view(1, 1), tis_cap=1e9)
+        estimate += sampler[token].exp().item() * stats["sampler_kl"].item()
+    assert estimate == pytest.approx(expected, rel=1e-5)
+    reverse = (trainer.exp() * (trainer - sampler)).sum().item()
+    assert abs(estimate - reverse) > 1e-3  # the two directions differ here, so the test tells them apart
+
+
+def test_gspo_defaults_to_its_papers_clip_range():
+    from trainer.config import TrainingConfig
+
+    assert TrainingConfig(loss_type="gspo").clip_range() == (3e-4, 4e-4)
+    assert TrainingConfig(loss_type="dapo").clip_range() == (0.2, 0.2)
+    assert TrainingConfig(loss_type="gspo", epsilon=0.1).clip_range() == (0.1, 0.1)
+    assert TrainingConfig(loss_type="dapo", epsilon_high=0.28).clip_range() == (0.2, 0.28)
+
+
 # --- learning: a task whose optimal policy is known ------------------------------------
 
 
@@ -180,7 +248,7 @@ def learn(loss_type: str, *, steps: int = 40, mutation: str | None = None, seed:
         new = table.gather(-1, tokens[chosen].unsqueeze(-1)).squeeze(-1)  # [R, 6]
         mask = torch.ones_like(new, dtype=torch.bool)
         weights = token_weights(mask, loss_type=loss_type, update_tokens=float(mask.sum()),
-                                update_rollouts=float(len(chosen)), max_tokens=6)
+                                update_rollouts=float(len(chosen)), generation_budget=6)
         loss, _ = policy_loss(new, new.detach(), torch.tensor([advantages[i] for i in chosen]), mask, weights,
                               epsilon=0.2, loss_type=loss_type)
         if mutation == "flip_sign":
