@@ -24,6 +24,9 @@ Qwen's vocabulary before and after, about 2 minutes and 14 GiB at the peak of "b
 72 minutes at worst, 27 to 37 typically.
 
     python benchmarks/run_all.py [--json benchmarks/results.json] [--only trl training] [--logs DIR]
+
+With `--only`, the other benchmarks' rows of the existing file are kept and the partial run
+is recorded beside them (`partial_runs`: date, commit, machine, benchmarks).
 """
 
 from __future__ import annotations
@@ -330,6 +333,20 @@ def git_state() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
 
 
+def merged(previous: dict[str, Any], partial: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """`--only`: the previous file with the rerun benchmarks' rows replaced (or added) and the
+    partial run recorded in `partial_runs` (its date, commit, machine and benchmarks); the
+    top-level date, commit and machine stay those of the last full run."""
+    figures = {r["figure"] for r in partial["rows"]}
+    kept = [r for r in previous.get("rows", [])
+            if r.get("benchmark") not in names and r["figure"] not in figures]
+    runs = previous.get("partial_runs", []) + [{
+        key: partial[key] for key in ("date", "commit", "dirty", "machine", "load_average_start",
+                                      "load_average_end", "wall_s")} | {"benchmarks": names}]
+    seconds = previous.get("benchmark_seconds", {}) | partial["benchmark_seconds"]
+    return previous | {"rows": kept + partial["rows"], "benchmark_seconds": seconds, "partial_runs": runs}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results.json")
@@ -360,9 +377,10 @@ def main(argv: list[str] | None = None) -> None:
         to_rows, figures = ROWS[name]
         result = results[name]
         if isinstance(result, str):
-            rows += [row(figure, None, "", None, result) for figure in figures]
+            new = [row(figure, None, "", None, result) for figure in figures]
         else:
-            rows += to_rows(result)
+            new = to_rows(result)
+        rows += [{**r, "benchmark": name} for r in new]
 
     table = Table(title=f"make bench: {len(rows)} figures in {wall_s / 60:.1f} min "
                         f"({os.cpu_count()} CPUs, load average {load_start[0]:.1f} at start, "
@@ -387,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
                               for name, runs in results.items() if isinstance(runs, list)},
         "rows": rows,
     }
+    if args.only and args.json.is_file():
+        summary = merged(json.loads(args.json.read_text()), summary, names)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(summary, indent=2) + "\n")
     console.print(f"wrote {args.json}")
