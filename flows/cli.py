@@ -164,25 +164,20 @@ def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
     from rich.console import Console
     from rich.table import Table
 
+    from tasks.rollout_eval import evaluate_model
     from tasks.tracking import resolve_tracking_uri
     from trainer.data import split_items
-    from trainer.evaluate import run_evaluation, write_outputs
-    from trainer.policy import load_config_policy, local_model_path
-    from trainer.rollout import RolloutSettings
-    from trainer.tools import ToolClient
+    from trainer.evaluate import write_outputs
 
     c = _config(config, set_)
     if split not in ("validation", "test"):
         raise AgentRFTError(f"--split must be validation or test, got {split!r}")
     items = split_items(c.data, split, max_items or c.baseline.max_items)
-    policy = load_config_policy(c.model, local_model_path(model or c.model.base_model,
-                                                          tracking_uri=resolve_tracking_uri(c.mlflow.tracking_uri)))
-    backend = policy.backend(max_slots=c.rollout.max_concurrent_rollouts, max_len=c.rollout.max_total_tokens,
-                             seed=c.baseline.seed)
-    summary, records = run_evaluation(
-        backend, policy.chat, items, k=k or c.baseline.k, tool_client=ToolClient.from_config(c.tools),
-        grader=c.grader, settings=RolloutSettings.from_config(c.rollout, c.penalties), tools=c.tools.schemas,
-        max_concurrent=c.rollout.max_concurrent_rollouts, prefix="eval", group_by=c.promotion.group_by,
+    # What the stages call: `rollout.backend` (vLLM included) and every rollout setting mean the same here.
+    summary, records = evaluate_model(
+        model or c.model.base_model, items, tracking_uri=resolve_tracking_uri(c.mlflow.tracking_uri),
+        model_section=c.model, tools=c.tools, grader=c.grader, rollout=c.rollout, penalties=c.penalties,
+        k=k or c.baseline.k, seed=c.baseline.seed, prefix="eval", group_by=c.promotion.group_by,
     )
     paths = write_outputs(summary, records, out)
     table = Table(title="evaluation")

@@ -55,7 +55,7 @@ def baseline(model_path: str, *, model: Any, data: Any, tools: Any, grader: dict
     with stage_run(ctx, STAGE, sections) as (client, run_id):
         items = split_items(data, "validation", gates.max_items)
         summary, records = evaluate_model(
-            model_path, items, ctx=ctx, model_section=model, tools=tools, grader=grader, rollout=rollout,
+            model_path, items, tracking_uri=ctx.tracking_uri, model_section=model, tools=tools, grader=grader, rollout=rollout,
             penalties=penalties, k=gates.k, seed=gates.seed, prefix="baseline", log=logger.info,
         )
         for path in write_outputs(summary, records, Path(work_dir) / STAGE / run_id).values():

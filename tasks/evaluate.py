@@ -157,7 +157,7 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
         for name, path in runs.items():
             logger.info("regression_eval: %s on %d test items x %d", name, len(items), p.k)
             summary, records = evaluate_model(
-                path, items, ctx=ctx, model_section=model, tools=tools, grader=grader, rollout=rollout,
+                path, items, tracking_uri=ctx.tracking_uri, model_section=model, tools=tools, grader=grader, rollout=rollout,
                 penalties=penalties, k=p.k, seed=seed, prefix=name, group_by=p.group_by, log=logger.info,
             )
             evaluated[name] = (summary, records)

@@ -54,7 +54,7 @@ def prompt_optimization(model_path: str, *, model: Any, data: Any, tools: Any, g
         for name, variant in candidates:
             varied_rollout, varied_tools = apply_variant(rollout, tools, variant, items)
             summary, _ = evaluate_model(
-                model_path, items, ctx=ctx, model_section=model, tools=varied_tools, grader=grader,
+                model_path, items, tracking_uri=ctx.tracking_uri, model_section=model, tools=varied_tools, grader=grader,
                 rollout=varied_rollout, penalties=penalties, k=options.k, seed=seed, prefix="variant",
                 log=logger.info,
             )

@@ -50,17 +50,18 @@ def apply_variant(
 
 
 def evaluate_model(
-    model: str, items: list[dict[str, Any]], *, ctx: RunContext, model_section: Any, tools: ToolsConfig,
+    model: str, items: list[dict[str, Any]], *, tracking_uri: str | None, model_section: Any, tools: ToolsConfig,
     grader: dict[str, Any], rollout: RolloutConfig, penalties: Any, k: int, seed: int, prefix: str,
     group_by: str | None = None, log: Any = None,
 ) -> tuple[EvalSummary, list[RolloutRecord]]:
     """k rollouts per item of `model`, graded and summarised (`prefix/...`), on the
-    embedded engine or on vLLM servers (`rollout.backend`)."""
+    embedded engine or on vLLM servers (`rollout.backend`). The stages and `agentrft eval`
+    all call this; `tracking_uri` resolves `models:/` URIs."""
     from contextlib import ExitStack
 
     from trainer.policy import load_config_policy, local_model_path
 
-    local = local_model_path(model, tracking_uri=ctx.tracking_uri)
+    local = local_model_path(model, tracking_uri=tracking_uri)
     policy = load_config_policy(model_section, local)
     with ExitStack() as stack:
         if rollout.backend == "vllm":

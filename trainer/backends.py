@@ -1,10 +1,11 @@
 """Where rollouts are generated during training: the policy itself, or vLLM servers.
 
-`make_generator(config, trainer, work_dir)` gives the trainer an object with two methods:
+`make_generator(config, trainer, work_dir)` gives the trainer an object with three methods:
 
 - `backend(seed)`: a `GenerationBackend` that samples with the current weights;
 - `sync(step)`: called after each optimizer step (and after a resume), so that the next
-  rollouts see the new weights.
+  rollouts see the new weights;
+- `metrics()`: what each step logs about it (`infra/replicas_alive` on vLLM).
 
 `rollout.backend: transformers` samples with the training model in this process (a fresh
 engine per batch: a KV cache filled before an update is stale after it), and `sync` has
@@ -41,6 +42,10 @@ class LocalGenerator:
 
     def sync(self, step: int) -> None:
         """The engine reads the live weights: nothing to push."""
+
+    def metrics(self) -> dict[str, float]:
+        """What the step logs about the generator: nothing here."""
+        return {}
 
 
 @contextmanager

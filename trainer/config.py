@@ -153,14 +153,19 @@ class VllmConfig(Section):
     )
     python: str = Field(".venv-vllm/bin/python", description="Interpreter of the separate vLLM environment "
                         "(make vllm).")
-    sync: Literal["full", "lora", "nccl"] = Field(
-        "full", description="Weight sync after each optimizer step: reload full weights from disk, swap a LoRA "
-        "adapter, or NCCL transfer (GPU)."
+    sync: Literal["full", "lora", "nccl"] | None = Field(
+        None, description="Weight sync after each optimizer step: reload full weights from disk, swap a LoRA "
+        "adapter, or NCCL transfer (GPU). Unset: lora when training.lora is set, else full."
     )
     extra_args: list[str] = Field(default_factory=list, description="Extra command-line arguments of a launched server.")
     api_key: str | None = Field(None, description="API key of the servers (may name `${VAR}`).")
     startup_timeout_s: float = Field(300.0, gt=0, description="How long a launched server may take to be ready.")
-    request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may take (a weight sync, a turn).")
+    turn_deadline_s: float = Field(
+        60.0, gt=0, description="A turn's deadline: this plus turn_deadline_per_token_s per requested token. Past "
+        "it the replica's /health is asked and the turn retried (on another replica if it does not answer), so a "
+        "hung server costs this, not request_timeout_s.")
+    turn_deadline_per_token_s: float = Field(0.5, ge=0, description="See turn_deadline_s.")
 
 
 class RolloutConfig(Section):

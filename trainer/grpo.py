@@ -540,6 +540,7 @@ class GRPOTrainer:
         training_s = max(c[4] for c in counts)
         metrics = summarize(everything, prefix="train").metrics
         metrics.update(update)
+        metrics.update(self.generator.metrics())  # infra/replicas_alive on vLLM
         metrics.update(
             {
                 "train/rollouts_per_s": len(everything) / max(sampling_s, 1e-9),

@@ -22,12 +22,15 @@ batch-dependent rounding. A refused connection, a timeout or a 5xx is retried wi
 backoff (3 attempts, on another replica when there is one); then `InfraError` names the
 servers, and the rollout batch stops with it rather than waiting forever.
 
-Weight sync (`rollout.vllm.sync`), after each optimizer step and after a resume:
+Weight sync (`rollout.vllm.sync`; unset: `lora` when training LoRA, else `full`), after
+each optimizer step and after a resume:
 - `full`: the policy's weights (LoRA merged) are written as one safetensors file in the
   run directory and every server reloads them in place through the worker extension
   (trainer/vllm_worker.py, `POST /collective_rpc`), then its prefix cache is reset
   (cached keys and values of the old weights would otherwise be reused). The servers must
   read the run directory: loopback, or a shared filesystem for servers on other machines.
+  With LoRA on a bf16 server this rounds the merged weights to bf16, dropping the adapter's
+  small early changes: a warning says so.
 - `lora`: the adapter is saved and loaded under a new name per step
   (`/v1/load_lora_adapter`), requests name it, and the previous one is unloaded.
 - `nccl` (GPUs, untested here): vLLM's weight transfer (`/init_weight_transfer_engine`,
@@ -58,6 +61,7 @@ import socket
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -125,8 +129,10 @@ class VllmBackend(GenerationBackend):
         stop_token_ids: list[int],
         max_len: int,
         seed: int = 0,
+        deadline: tuple[float, float] = (60.0, 0.5),
     ):
         self.servers = servers
+        self.deadline = deadline  # a turn's: seconds, plus seconds per requested token
         self.model = model
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.max_len = max_len
@@ -188,8 +194,10 @@ class VllmBackend(GenerationBackend):
                     seq.url = self.servers.assign(avoid=url)
                 return seq.url
 
+        base, per_token = self.deadline
         _, answer = self.servers.request(
             "POST", seq.url, "/v1/completions", json=body, headers={SESSION_HEADER: seq.key}, failover=failover,
+            timeout_s=base + per_token * body["max_tokens"],
         )
         return answer
 
@@ -360,8 +368,15 @@ class VllmGenerator:
         process; check the servers; stop what was started on exit."""
         rollout, vcfg = config.rollout, config.rollout.vllm
         lora = config.training.lora
-        if vcfg.sync == "lora" and lora is None:
+        mode = resolved_sync(vcfg, lora)
+        if mode == "lora" and lora is None:
             raise ConfigError("rollout.vllm.sync: lora needs training.lora (an adapter to load); use sync: full")
+        if rollout.top_p < 1:
+            raise ConfigError(
+                f"rollout.top_p is {rollout.top_p} on the vLLM backend: vLLM's log-probabilities are renormalised "
+                "over the nucleus, so truncated importance sampling against the trainer's (over the whole "
+                "vocabulary) would be biased; train with top_p 1 (evaluations may use less)"
+            )
         if vcfg.launch and vcfg.urls:
             raise ConfigError("rollout.vllm: set either launch: true or urls, not both")
         accelerator = getattr(trainer, "accelerator", None)
@@ -373,7 +388,7 @@ class VllmGenerator:
                     return list(vcfg.urls)
                 args, env = server_args(
                     max_model_len=rollout.max_total_tokens, dtype=config.model.dtype,
-                    lora_rank=lora.r if vcfg.sync == "lora" else None, nccl=vcfg.sync == "nccl",
+                    lora_rank=lora.r if mode == "lora" else None, nccl=mode == "nccl",
                     extra_args=vcfg.extra_args,
                 )
                 model_dir = _servable_dir(trainer, Path(work_dir).resolve() / "vllm" / "base")
@@ -385,17 +400,20 @@ class VllmGenerator:
 
             urls = _on_main(accelerator, start)
             servers = VllmServers(urls, api_key=vcfg.api_key, request_timeout_s=vcfg.request_timeout_s,
-                                  max_concurrent=rollout.max_concurrent_rollouts)
+                                  max_concurrent=rollout.max_concurrent_rollouts,
+                                  logs={server.url: server.log for server in launched})
             stack.callback(servers.close)
             infos = _on_main(accelerator, lambda: servers.check(
                 max_total_tokens=rollout.max_total_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
             ))
-            generator = cls(servers, trainer=trainer, work_dir=work_dir, model=infos[0].model, mode=vcfg.sync)
+            generator = cls(servers, trainer=trainer, work_dir=work_dir, model=infos[0].model, mode=mode)
+            if mode == "full" and lora is not None:
+                _on_main(accelerator, generator._warn_if_rounded)
             generator.launched = launched
             stack.callback(generator._close_nccl)
             # Servers the user runs may hold any weights, and an adapter is loaded only by a sync:
             # make the servers hold the trainer's policy before the first rollout.
-            if not vcfg.launch or vcfg.sync != "full":
+            if not vcfg.launch or mode != "full":
                 generator.sync(0)
             yield generator
 
@@ -404,10 +422,30 @@ class VllmGenerator:
             raise InfraError(f"the vLLM servers may not hold the trainer's weights: {self.failure}; "
                              "no rollouts are sampled until a sync succeeds")
         trainer = self.trainer
+        vcfg = trainer.config.rollout.vllm
         return VllmBackend(
             self.servers, model=self.model, stop_token_ids=trainer.stop_token_ids,
             max_len=trainer.config.rollout.max_total_tokens, seed=seed,
+            deadline=(vcfg.turn_deadline_s, vcfg.turn_deadline_per_token_s),
         )
+
+    def metrics(self) -> dict[str, float]:
+        """What the step logs about the servers (this process's view)."""
+        return {"infra/replicas_alive": float(len(self.servers.alive()))}
+
+    def _each_alive(self, what: str, action: Callable[[str], None]) -> None:
+        """`action` on every replica in rotation; one that fails it is taken out (it would
+        serve other weights than the trainer's); an error when none is left."""
+        for url in self.servers.alive():
+            if not self.servers.healthy(url):  # a hung server would hold the sync for request_timeout_s
+                self.servers.mark_dead(url, f"no answer to /health before {what}")
+                continue
+            try:
+                action(url)
+            except InfraError as exc:
+                self.servers.mark_dead(url, f"{what} failed: {exc}")
+        if not self.servers.alive():
+            raise self.servers.no_replica()
 
     def sync(self, step: int) -> None:
         """Push the trainer's current weights to every server (main process), then let every
@@ -423,6 +461,14 @@ class VllmGenerator:
 
     # -- the three ways -------------------------------------------------------------------------
 
+    def _warn_if_rounded(self) -> None:
+        dtype = self._served_dtype()
+        if dtype in (torch.bfloat16, torch.float16):
+            warnings.warn(
+                f"training.lora with rollout.vllm.sync: full on a {dtype} server: the merged weights are rounded "
+                f"to {dtype}, which drops an adapter's small early changes (about 1e-3 of a weight and less); use "
+                "sync: lora (the default with LoRA)", stacklevel=3)
+
     def _policy(self) -> torch.nn.Module:
         return self.trainer.sampling_model()
 
@@ -435,7 +481,8 @@ class VllmGenerator:
     def _sync_full(self, step: int) -> str:
         weights = merged_state_dict(self._policy(), self._served_dtype())
         directory = save_weights(weights, self.work_dir / "weights")
-        for url in self.servers.urls:
+
+        def reload(url: str) -> None:
             answer = self.servers.post(url, "/collective_rpc", {
                 "method": "agentrft_reload_weights", "args": [str(directory), str(step)],
             })
@@ -444,6 +491,8 @@ class VllmGenerator:
                     raise InfraError(f"vLLM server {url} did not load the weights of step {step}: {result}",
                                      endpoint=url)
             reset_prefix_cache(self.servers, url)
+
+        self._each_alive(f"the weight sync of step {step}", reload)
         return self.model
 
     def _sync_lora(self, step: int) -> str:
@@ -451,12 +500,11 @@ class VllmGenerator:
         directory = self.work_dir / "lora" / name
         self._policy().save_pretrained(str(directory))
         previous = self.model if self.model.startswith("policy-step-") else None
-        for url in self.servers.urls:
-            # load_inplace: the same step again (a resume) replaces what was loaded under its name
-            self.servers.post(url, "/v1/load_lora_adapter",
-                              {"lora_name": name, "lora_path": str(directory), "load_inplace": True})
+        # load_inplace: the same step again (a resume) replaces what was loaded under its name
+        self._each_alive(f"the adapter sync of step {step}", lambda url: self.servers.post(
+            url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory), "load_inplace": True}))
         if previous and previous != name:
-            for url in self.servers.urls:
+            for url in self.servers.alive():
                 with contextlib.suppress(ConfigError):  # already gone (a restarted server)
                     self.servers.post(url, "/v1/unload_lora_adapter", {"lora_name": previous})
             shutil.rmtree(self.work_dir / "lora" / previous, ignore_errors=True)
@@ -469,7 +517,7 @@ class VllmGenerator:
             self._nccl = [self._nccl_engine(url) for url in self.servers.urls]
         for engine in self._nccl:
             engine.send_weights()
-        for url in self.servers.urls:
+        for url in self.servers.alive():
             self.servers.post(url, "/update_weight_version", {"new_version": str(step)})
             reset_prefix_cache(self.servers, url)
         return self.model
@@ -557,6 +605,11 @@ def _servable_dir(trainer: Any, fallback: Path) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+def resolved_sync(vllm_config: Any, lora: Any) -> str:
+    """`rollout.vllm.sync` with its default: the adapter when training LoRA, else full weights."""
+    return vllm_config.sync or ("lora" if lora is not None else "full")
+
+
 # Evaluations outside training.
 
 
@@ -576,17 +629,19 @@ def vllm_eval_backend(
     for symmetry with the embedded engine; the servers take token ids."""
     del tokenizer  # token ids in and out: the caller renders and decodes
     with contextlib.ExitStack() as stack:
+        logs: dict[str, tuple[Path, int]] = {}
         if vllm_config.launch:
             args, env = server_args(max_model_len=rollout.max_total_tokens, extra_args=vllm_config.extra_args)
-            urls = [stack.enter_context(launched_server(
+            server = stack.enter_context(launched_server(
                 vllm_config.python, str(Path(model_path).resolve()), args=args,
                 log_path=Path(tempfile.mkdtemp(prefix="agentrft-vllm-eval-")) / "server.log",
                 startup_timeout_s=vllm_config.startup_timeout_s, api_key=vllm_config.api_key, env=env,
-            )).url]
+            ))
+            urls, logs = [server.url], {server.url: server.log}
         else:
             urls = list(vllm_config.urls)
         servers = VllmServers(urls, api_key=vllm_config.api_key, request_timeout_s=vllm_config.request_timeout_s,
-                              max_concurrent=rollout.max_concurrent_rollouts)
+                              max_concurrent=rollout.max_concurrent_rollouts, logs=logs)
         stack.callback(servers.close)
         infos = servers.check(max_total_tokens=rollout.max_total_tokens, temperature=rollout.temperature,
                               top_p=rollout.top_p)
@@ -597,7 +652,8 @@ def vllm_eval_backend(
                 })
                 reset_prefix_cache(servers, url)
         yield VllmBackend(servers, model=infos[0].model, stop_token_ids=stop_token_ids,
-                          max_len=rollout.max_total_tokens, seed=seed)
+                          max_len=rollout.max_total_tokens, seed=seed,
+                          deadline=(vllm_config.turn_deadline_s, vllm_config.turn_deadline_per_token_s))
 
 
 __all__ = [
@@ -608,6 +664,7 @@ __all__ = [
     "VllmServers",
     "launched_server",
     "merged_state_dict",
+    "resolved_sync",
     "server_args",
     "turn_seed",
     "vllm_eval_backend",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -61,6 +62,12 @@ class VllmServers:
     on another replica when there is one; then `InfraError`. A 4xx is a request the
     server will never accept (a context too long for its `--max-model-len`, an unknown
     adapter): `ConfigError` at once, with the server's words.
+
+    Replicas that die: after a failed request the replica's `/health` is asked (a few
+    seconds); one that does not answer it is taken out of rotation for good (`alive()`):
+    no new sequence goes there, no weight sync, and its sequences move to the others. With
+    none left every request is an `InfraError` that names why each one went. A hung
+    request is bounded by the deadline its caller gives (`timeout_s`).
     """
 
     def __init__(
@@ -72,6 +79,7 @@ class VllmServers:
         max_retries: int = 3,
         backoff_s: float = 0.5,
         max_concurrent: int = 64,
+        logs: dict[str, tuple[Path, int]] | None = None,
     ):
         if not urls:
             raise ConfigError("rollout.vllm.urls is empty and rollout.vllm.launch is false: give the URLs of "
@@ -89,6 +97,9 @@ class VllmServers:
         self.pool = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="vllm-request")
         self._lock = threading.Lock()
         self._load = {url: 0 for url in self.urls}  # live sequences per replica
+        self._dead: dict[str, str] = {}  # replica -> why it was taken out of rotation
+        # url -> (log file, where this server's part of it starts), for the servers launched here
+        self.logs = {url.rstrip("/"): log for url, log in (logs or {}).items()}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -96,10 +107,40 @@ class VllmServers:
 
     # -- replica choice --------------------------------------------------------------------------
 
-    def assign(self, avoid: str | None = None) -> str:
-        """The replica with the fewest live sequences (the first of equals), counted as one more."""
+    def alive(self) -> list[str]:
+        """The replicas in rotation."""
         with self._lock:
-            candidates = [u for u in self.urls if u != avoid] or self.urls
+            return [u for u in self.urls if u not in self._dead]
+
+    def mark_dead(self, url: str, reason: str) -> None:
+        """Take `url` out of rotation (and out of weight syncs) for good."""
+        if log := self.logs.get(url):
+            cause = root_cause(*log)
+            reason += f"; its log ({log[0]}) says: {cause}" if cause else ""
+        with self._lock:
+            if url in self._dead:
+                return
+            self._dead[url] = reason
+            alive = len(self.urls) - len(self._dead)
+        print(f"vLLM replica {url} taken out of rotation ({reason}); {alive} of {len(self.urls)} alive", flush=True)
+
+    def no_replica(self) -> InfraError:
+        why = "; ".join(f"{u}: {r}" for u, r in self._dead.items())
+        return InfraError(f"no vLLM replica is alive ({why})", endpoint=self.urls[-1])
+
+    def healthy(self, url: str, timeout_s: float = 5.0) -> bool:
+        try:
+            return self._http.get(f"{url}/health", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def assign(self, avoid: str | None = None) -> str:
+        """The alive replica with the fewest live sequences (the first of equals), counted as one more."""
+        with self._lock:
+            alive = [u for u in self.urls if u not in self._dead]
+            if not alive:
+                raise self.no_replica()
+            candidates = [u for u in alive if u != avoid] or alive
             url = min(candidates, key=lambda u: self._load[u])
             self._load[url] += 1
             return url
@@ -127,6 +168,10 @@ class VllmServers:
         reason = ""
         tried: list[str] = []
         for attempt in range(1, self.max_retries + 1):
+            if url in self._dead:
+                if failover is None:
+                    break  # a replica out of rotation is not asked again
+                url = failover(url)
             tried.append(url)
             try:
                 response = self._http.request(
@@ -149,13 +194,19 @@ class VllmServers:
                     raise ConfigError(f"vLLM server {url} refused {method} {path} (HTTP {response.status_code}): "
                                       f"{detail}")
                 reason = f"HTTP {response.status_code}: {detail}"
+            if not self.healthy(url):
+                self.mark_dead(url, f"{reason}, then no answer to /health")
             if attempt < self.max_retries:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
                 url = failover(url) if failover is not None else url
+        if not tried:
+            raise InfraError(f"vLLM server {url} is out of rotation ({self._dead.get(url)})", endpoint=url)
         servers = ", ".join(dict.fromkeys(tried))
+        causes = [(url, log[0], root_cause(*log)) for url in dict.fromkeys(tried) if (log := self.logs.get(url))]
+        said = "".join(f" The log of {url} ({path}) says: {cause}." for url, path, cause in causes if cause)
         raise InfraError(
-            f"vLLM server {servers} failed {method} {path} after {self.max_retries} attempts; last: {reason}. "
-            "Check that the server is running and reachable (rollout.vllm.urls), or its log",
+            f"vLLM server {servers} failed {method} {path} after {self.max_retries} attempts; last: {reason}."
+            + (said or " Check that the server is running and reachable (rollout.vllm.urls), or its log"),
             endpoint=tried[-1], attempts=self.max_retries,
         )
 
@@ -224,6 +275,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# vLLM's log prefix: "(EngineCore pid=12) ERROR 12-03 14:18:50 [core.py:1512] "
+_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?([A-Z]+ \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] )?")
+_EXCEPTION = re.compile(r"^([\w.]+(?:Error|Exception)): \S")
+# Exceptions that only say that another one happened ("see the stack trace above").
+_WRAPPERS = ("EngineDeadError", "EngineGenerateError")
+
+
+def root_cause(log_path: Path, offset: int = 0) -> str | None:
+    """The first exception a server's log reports from `offset` on (the end of the first
+    traceback: where the chain of errors began), or None."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(offset)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        message = _LOG_PREFIX.sub("", line, count=1).strip()
+        match = _EXCEPTION.match(message)
+        if match and match.group(1).rsplit(".", 1)[-1] not in _WRAPPERS:
+            return message[:500]
+    return None
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -239,6 +314,11 @@ class LaunchedServer:
     process: subprocess.Popen
     log_path: Path
     startup_s: float
+    log_offset: int = 0  # where this server's part of the log starts
+
+    @property
+    def log(self) -> tuple[Path, int]:
+        return self.log_path, self.log_offset
 
 
 @contextlib.contextmanager
@@ -272,14 +352,17 @@ def launched_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
+    offset = log_path.stat().st_size if log_path.is_file() else 0
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                    start_new_session=True)  # its own process group: stopped as one
     try:
         while True:
             if process.poll() is not None:
+                cause = root_cause(log_path, offset)
                 raise InfraError(f"the vLLM server for {model_dir} exited with code {process.returncode} while "
-                                 f"starting; the end of its log ({log_path}):\n{_tail(log_path)}", endpoint=url)
+                                 f"starting{f': {cause}' if cause else ''}; the end of its log ({log_path}):\n"
+                                 f"{_tail(log_path)}", endpoint=url)
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                     break
@@ -291,7 +374,7 @@ def launched_server(
             time.sleep(1.0)
         startup_s = time.monotonic() - started
         print(f"vLLM server ready at {url} in {startup_s:.0f} s (log: {log_path})", flush=True)
-        yield LaunchedServer(url, process, log_path, startup_s)
+        yield LaunchedServer(url, process, log_path, startup_s, offset)
     finally:
         _stop(process)
 

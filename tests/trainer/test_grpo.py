@@ -535,6 +535,23 @@ def test_deepspeed_and_fsdp_are_refused_with_the_alternative(world, endpoints, t
     trainer.cleanup()
 
 
+def test_training_on_vllm_refuses_top_p_below_one_and_lora_syncs_its_adapter(world, endpoints, taught_model,
+                                                                             tmp_path):
+    from trainer.vllm_backend import resolved_sync
+
+    config = micro_config(world, endpoints)
+    config = config.model_copy(update={"rollout": config.rollout.model_copy(update={
+        "backend": "vllm", "top_p": 0.9,
+        "vllm": config.rollout.vllm.model_copy(update={"urls": ["http://127.0.0.1:9"]})})})
+    trainer = GRPOTrainer(config, model_path=str(taught_model), output_dir=tmp_path / "out")
+    with pytest.raises(ConfigError, match="rollout.top_p is 0.9 on the vLLM backend.*train with top_p 1"):
+        trainer.setup()  # before any server is asked anything
+    trainer.cleanup()
+    lora = micro_config(world, endpoints, lora={"r": 4}).training.lora
+    assert resolved_sync(config.rollout.vllm, lora) == "lora" and resolved_sync(config.rollout.vllm, None) == "full"
+    assert resolved_sync(config.rollout.vllm.model_copy(update={"sync": "full"}), lora) == "full"
+
+
 def test_checkpoints_are_ranked_by_validation_reward_unless_told_score(world, endpoints, taught_model):
     """With a price per token, reward and score differ: the kept checkpoint carries the
     figure `metric_for_best_model` names."""

@@ -14,6 +14,7 @@ The tests share the server and run in file order; the last one kills it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -22,13 +23,15 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+import yaml
 
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS, copy_items, teach_model
 from trainer.config import config_from_dict
-from trainer.data import read_items, read_jsonl
+from trainer.data import read_items, read_jsonl, split_items
 from trainer.engine import GenerationBackend, SamplingParams, TransformersBackend
 from trainer.errors import InfraError
 from trainer.grpo import GRPOTrainer
@@ -39,6 +42,7 @@ from trainer.vllm_backend import (
     VllmGenerator,
     VllmServers,
     launched_server,
+    server_args,
     vllm_eval_backend,
 )
 
@@ -272,6 +276,32 @@ def test_an_evaluation_backend_reloads_a_model_directory_on_the_servers(trainer:
         assert max(max_diff(sampled(r), forward_logprobs(weights, r, 1.0)) for r in records) < FP32_TOLERANCE
 
 
+def served_requests(url: str) -> float:
+    """Requests the server finished, from its Prometheus metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def test_agentrft_eval_generates_on_vllm(trainer: GRPOTrainer, world: Path, taught_model: Path, tmp_path: Path):
+    """`agentrft eval` calls what the stages call: with `rollout.backend: vllm` the rollouts
+    are the server's (it reloads the model directory, here the taught model it already holds)."""
+    from flows.cli import main
+
+    url = trainer.generator.servers.urls[0]
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(yaml.safe_dump(trainer.config.model_dump(mode="json")))
+    before = served_requests(url)
+    code = main(["eval", "--config", str(config_file), "--model", str(taught_model), "--k", "1", "--max-items", "2",
+                 "--out", str(tmp_path / "eval"), "--set", "rollout.vllm.launch=false",
+                 "--set", f"rollout.vllm.urls=[{url}]"])
+    assert code == 0
+    rollouts = read_jsonl(tmp_path / "eval" / "rollouts.jsonl")
+    turns = sum(r["turns"] for r in rollouts)
+    assert len(rollouts) == len(split_items(trainer.config.data, "validation", 2)) and turns >= len(rollouts)
+    assert served_requests(url) - before == turns  # every turn of every rollout was generated there
+
+
 def test_three_grpo_steps_on_vllm_sync_every_step(trainer: GRPOTrainer):
     syncs = len(trainer.generator.sync_seconds)
     result = trainer.train()
@@ -309,8 +339,53 @@ def test_rollouts_spread_over_replicas_and_leave_a_dead_one(trainer: GRPOTrainer
         for seq_id in prompts:
             backend.release(seq_id)
         assert servers._load == {dead: 0, live: 0}
+        assert servers.alive() == [live]  # it did not answer /health: out of rotation
     finally:
         servers.close()
+
+
+def test_training_goes_on_when_one_replica_is_killed_and_another_hangs(trainer: GRPOTrainer, world: Path, endpoints,
+                                                                      taught_model: Path, tmp_path: Path):
+    """Three real servers (the module's and two more) serve a 2-step run: one is killed as
+    step 1's rollouts start, one stopped (SIGSTOP: it accepts connections and never
+    answers) as step 2's start (at once rather than after a delay: a step of this tiny
+    model takes under a second). Their turns move to the survivor, no rollout is an
+    infra_error (none is scored for a server's failure), the dead replicas leave the
+    weight syncs, `infra/replicas_alive` says 2 then 1, and the hang costs the turn
+    deadline (5 s + 0.1 s a token here) and a /health probe, not request_timeout_s."""
+    args, env = server_args(max_model_len=768, extra_args=SERVER_ARGS)
+    with contextlib.ExitStack() as stack:
+        killed, hung = (stack.enter_context(launched_server(
+            str(VLLM_PYTHON), str(taught_model), args=args, env=env, log_path=tmp_path / f"{name}.log",
+            startup_timeout_s=600)) for name in ("killed", "hung"))
+        stack.callback(lambda: os.killpg(hung.process.pid, signal.SIGCONT))
+        urls = [trainer.generator.servers.urls[0], killed.url, hung.url]
+        config = vllm_config(world, endpoints, max_steps=2, eval_interval=2,
+                             vllm={"urls": urls, "turn_deadline_s": 5.0, "turn_deadline_per_token_s": 0.1})
+        run = GRPOTrainer(config, model_path=str(taught_model), output_dir=tmp_path / "run", endpoints=endpoints)
+        run.setup()
+        calls = []
+        rollouts = run._rollouts
+
+        def with_failures(items, n, seed, version):  # the real rollouts, a failure injected as they start
+            calls.append(version)
+            if len(calls) == 2:  # step 1's rollouts (after the evaluation of step 0)
+                os.killpg(killed.process.pid, signal.SIGKILL)
+            if len(calls) == 3:  # step 2's
+                os.killpg(hung.process.pid, signal.SIGSTOP)
+            return rollouts(items, n, seed, version)
+
+        run._rollouts = with_failures
+        try:
+            result = run.train()
+            alive = run.generator.servers.alive()
+        finally:
+            run.cleanup()
+    assert result.steps == 2 and alive == urls[:1]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]
+    assert [row["infra/replicas_alive"] for row in rows] == [2.0, 1.0]
+    assert all(row["train/infra_error_rate"] == 0 and row["train/rollouts"] == 8 for row in rows)
+    assert rows[1]["timing/sampling_s"] < 60  # not the 600 s of request_timeout_s
 
 
 def test_a_killed_server_ends_the_batch_with_a_clear_error_quickly(trainer: GRPOTrainer):
@@ -324,8 +399,29 @@ def test_a_killed_server_ends_the_batch_with_a_clear_error_quickly(trainer: GRPO
                 roll(trainer, trainer.generator.backend(seed=14), temperature=1.0, n=4)
     finally:
         killer.cancel()
-    assert server.url in str(failure.value) and "attempts" in str(failure.value)
+    assert f"no vLLM replica is alive ({server.url}: " in str(failure.value)
     assert time.perf_counter() - started < 60
+
+
+def test_a_dead_engine_is_reported_with_the_root_cause_from_its_log(trainer: GRPOTrainer, tmp_path: Path):
+    """vLLM 0.32.0's CPU attention has no kernel for a head of 16 dimensions: its engine
+    starts, then dies at the first batch. The client's error names that cause, read from
+    the server's log, not only its own last retry."""
+    from envs.finqa.tiny_model import build_model, tiny_config
+
+    model_dir = tmp_path / "head-dim-16"
+    config = tiny_config(len(trainer.tokenizer), hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                         intermediate_size=128, max_position_embeddings=1024)
+    build_model(config, seed=0).save_pretrained(model_dir)
+    trainer.tokenizer.save_pretrained(model_dir)
+    vllm = trainer.config.rollout.vllm.model_copy(update={"launch": True, "urls": [], "extra_args": [
+        "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "4",
+        "--distributed-executor-backend=uni"]})
+    with pytest.raises(InfraError) as failure:
+        with vllm_eval_backend(vllm, str(model_dir), rollout=trainer.config.rollout, tokenizer=trainer.tokenizer,
+                               stop_token_ids=trainer.stop_token_ids, seed=3) as backend:
+            roll(trainer, backend, temperature=1.0, n=1)
+    assert "Unsupported CPU attention configuration: head_dim=16" in str(failure.value)
 
 
 def test_a_server_that_cannot_start_is_a_clear_error_with_its_log(tmp_path: Path):
