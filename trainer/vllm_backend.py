@@ -386,12 +386,12 @@ class VllmGenerator:
             def start() -> list[str]:
                 if not vcfg.launch:
                     return list(vcfg.urls)
+                model_dir = _servable_dir(trainer, Path(work_dir).resolve() / "vllm" / "base")
                 args, env = server_args(
                     max_model_len=rollout.max_total_tokens, dtype=config.model.dtype,
                     lora_rank=lora.r if mode == "lora" else None, nccl=mode == "nccl",
-                    extra_args=vcfg.extra_args,
+                    extra_args=vcfg.extra_args, model_dir=model_dir, max_concurrent=rollout.max_concurrent_rollouts,
                 )
-                model_dir = _servable_dir(trainer, Path(work_dir).resolve() / "vllm" / "base")
                 launched.append(stack.enter_context(launched_server(
                     vcfg.python, model_dir, args=args, log_path=Path(work_dir) / "vllm" / "server.log",
                     startup_timeout_s=vcfg.startup_timeout_s, api_key=vcfg.api_key, env=env,
@@ -631,7 +631,8 @@ def vllm_eval_backend(
     with contextlib.ExitStack() as stack:
         logs: dict[str, tuple[Path, int]] = {}
         if vllm_config.launch:
-            args, env = server_args(max_model_len=rollout.max_total_tokens, extra_args=vllm_config.extra_args)
+            args, env = server_args(max_model_len=rollout.max_total_tokens, extra_args=vllm_config.extra_args,
+                                    model_dir=model_path, max_concurrent=rollout.max_concurrent_rollouts)
             server = stack.enter_context(launched_server(
                 vllm_config.python, str(Path(model_path).resolve()), args=args,
                 log_path=Path(tempfile.mkdtemp(prefix="agentrft-vllm-eval-")) / "server.log",

@@ -14,6 +14,7 @@ sync built on these are in trainer/vllm_backend.py.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -393,11 +394,54 @@ def _stop(process: subprocess.Popen) -> None:
             continue
 
 
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def kv_cache_bytes(model_dir: str | Path, *, max_model_len: int, max_concurrent: int, dtype: str = "auto",
+                   available: int | None = None) -> int:
+    """The KV cache a launched server gets: room for `max_concurrent` sequences of
+    `max_model_len` tokens, but at most half of what the machine has free (`available`:
+    free GPU memory on a GPU, available RAM otherwise, measured when None), since the
+    trainer and the pipeline's services share it; at least one whole sequence."""
+    config_path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{config_path}: cannot read the model's config to size the vLLM KV cache ({exc}); "
+                          "set --kv-cache-memory-bytes in rollout.vllm.extra_args") from None
+    config = config.get("text_config", config)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    named = dtype if dtype != "auto" else str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(named, 4)
+    if available is None:
+        import torch
+
+        if torch.cuda.is_available():
+            available = torch.cuda.mem_get_info()[0]
+        else:
+            import psutil
+
+            available = psutil.virtual_memory().available
+    one = per_token * max_model_len
+    if one > available // 2:
+        raise ConfigError(
+            f"a vLLM server for {model_dir} needs {one / 2**20:.0f} MiB of KV cache for one sequence of "
+            f"{max_model_len} tokens, more than half of the {available / 2**20:.0f} MiB free; lower "
+            "rollout.max_total_tokens or free memory"
+        )
+    return max(one, min(per_token * max_model_len * max_concurrent, available // 2))
+
+
 def server_args(
     *, max_model_len: int, dtype: str = "auto", lora_rank: int | None = None, nccl: bool = False,
-    extra_args: Sequence[str] = (),
+    extra_args: Sequence[str] = (), model_dir: str | Path | None = None, max_concurrent: int = 64,
 ) -> tuple[list[str], dict[str, str]]:
-    """Command-line arguments and environment of a server this module launches."""
+    """Command-line arguments and environment of a server this module launches. With
+    `model_dir`, the KV cache is sized to the machine (`kv_cache_bytes`) unless
+    `extra_args` say how much memory the server takes (vLLM's default, 92% of the
+    memory, fails whenever the trainer or the pipeline's services hold more than 8%)."""
     args = [
         "--served-model-name", SERVED_NAME,
         "--max-model-len", str(max_model_len),
@@ -415,6 +459,10 @@ def server_args(
         args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
     if nccl:
         args += ["--weight-transfer-config", '{"backend": "nccl"}']
+    sized = any(a.split("=")[0] in ("--kv-cache-memory-bytes", "--gpu-memory-utilization") for a in extra_args)
+    if model_dir is not None and not sized:
+        args += ["--kv-cache-memory-bytes", str(kv_cache_bytes(
+            model_dir, max_model_len=max_model_len, max_concurrent=max_concurrent, dtype=dtype))]
     return args + list(extra_args), env
 
 

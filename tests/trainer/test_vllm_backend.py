@@ -59,8 +59,10 @@ pytestmark = [
 # Two cores, float32, no CUDA graphs, a small KV cache; LoRA enabled for the adapter test.
 # One process (the engine and its worker inside the API server: SINGLE_PROCESS below) starts
 # in about half the time of vLLM's three on two cores.
+# No memory setting: a launched server's KV cache is sized from the model, the rollouts and
+# what the machine has free (trainer/vllm_servers.py kv_cache_bytes).
 SERVER_ARGS = [
-    "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
+    "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "16",
     "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--distributed-executor-backend=uni",
 ]
 SINGLE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -353,7 +355,7 @@ def test_training_goes_on_when_one_replica_is_killed_and_another_hangs(trainer: 
     infra_error (none is scored for a server's failure), the dead replicas leave the
     weight syncs, `infra/replicas_alive` says 2 then 1, and the hang costs the turn
     deadline (5 s + 0.1 s a token here) and a /health probe, not request_timeout_s."""
-    args, env = server_args(max_model_len=768, extra_args=SERVER_ARGS)
+    args, env = server_args(max_model_len=768, extra_args=SERVER_ARGS, model_dir=taught_model, max_concurrent=8)
     with contextlib.ExitStack() as stack:
         killed, hung = (stack.enter_context(launched_server(
             str(VLLM_PYTHON), str(taught_model), args=args, env=env, log_path=tmp_path / f"{name}.log",
