@@ -434,6 +434,12 @@ def kv_cache_bytes(model_dir: str | Path, *, max_model_len: int, max_concurrent:
     return max(one, min(per_token * max_model_len * max_concurrent, available // 2))
 
 
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def server_args(
     *, max_model_len: int, dtype: str = "auto", lora_rank: int | None = None, nccl: bool = False,
     extra_args: Sequence[str] = (), model_dir: str | Path | None = None, max_concurrent: int = 64,
@@ -459,7 +465,17 @@ def server_args(
         args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
     if nccl:
         args += ["--weight-transfer-config", '{"backend": "nccl"}']
-    sized = any(a.split("=")[0] in ("--kv-cache-memory-bytes", "--gpu-memory-utilization") for a in extra_args)
+    given = {a.split("=")[0] for a in extra_args}
+    if not cuda_available() and not given & {"--enable-chunked-prefill", "--no-enable-chunked-prefill"}:
+        # vLLM's CPU build cannot rewind a seeded request's generator ("CPU Generator does not
+        # use offset"), which it does when a prompt is prefilled in chunks and the token
+        # sampled after a partial chunk is discarded: its engine dies as soon as several
+        # seeded prompts share a step. Whole prompts only (a step holds up to
+        # max_num_batched_tokens of them), so every turn can carry its seed.
+        args += ["--no-enable-chunked-prefill"]
+        if "--max-num-batched-tokens" not in given:
+            args += ["--max-num-batched-tokens", str(max(max_model_len, 8192))]
+    sized = bool(given & {"--kv-cache-memory-bytes", "--gpu-memory-utilization"})
     if model_dir is not None and not sized:
         args += ["--kv-cache-memory-bytes", str(kv_cache_bytes(
             model_dir, max_model_len=max_model_len, max_concurrent=max_concurrent, dtype=dtype))]
