@@ -37,7 +37,11 @@ def test_the_baseline_stage_runs_64_seeded_rollouts_at_once_on_a_launched_server
         world, endpoints, taught_model, mlflow=store,
         rollout={"max_concurrent_rollouts": 64, "backend": "vllm", "vllm": {
             "launch": True, "python": str(VLLM_PYTHON),
-            "extra_args": ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend=uni"]}},
+            # no prefix cache: the 64 prompts are then prefilled whole, as a real dataset's
+            # distinct prompts are, and overflow one step's token budget (vLLM's CPU default
+            # is 2048), which is where chunked prefill used to kill the engine
+            "extra_args": ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend=uni",
+                           "--no-enable-prefix-caching"]}},
         # 2 validation items x 32: 64 rollouts in flight; a gate no model passes ends the run there
         baseline={"k": 32, "min_nonzero_share": 0.0, "min_headroom": 1.0},
     )

@@ -326,11 +326,13 @@ def test_rollouts_spread_over_replicas_and_leave_a_dead_one(trainer: GRPOTrainer
     try:
         backend = VllmBackend(servers, model=trainer.generator.model, stop_token_ids=trainer.stop_token_ids,
                               max_len=768, seed=16)
+        # least loaded first: four sequences are spread two and two
+        assert [servers.assign() for _ in range(4)] == [dead, live, dead, live]
+        for url in (dead, live, dead, live):
+            servers.unassign(url)
         prompts = {f"s{i}": trainer.tokenizer.encode(f"Question {i}:", add_special_tokens=False) for i in range(4)}
         for seq_id, prompt in prompts.items():
             backend.submit(seq_id, prompt, SamplingParams(max_new_tokens=8))
-        # least loaded first: the four sequences were spread two and two
-        assert servers._load == {dead: 2, live: 2}
         turns = {}
         while len(turns) < len(prompts):
             turns.update((turn.seq_id, turn) for turn in backend.step())
