@@ -358,7 +358,9 @@ class TrainingConfig(Section):
         None, description="An accelerate config file for where the processes run (machines, GPU ids, ports); "
         "its distributed_type, if any, must not contradict training.distributed.")
     max_staleness: Literal[0, 1] = Field(
-        0, description="1: generate step t+1's rollouts while step t trains (vLLM backend), one step off-policy."
+        0, description="1: sample step t+1's rollouts while step t trains (one step off-policy: the weights of "
+        "step t - 1; tis_cap weighs each token for the lag). On vLLM the servers keep those weights until both "
+        "are done; the embedded engine samples with a frozen copy of the model (one more copy in memory)."
     )
     checkpoint_interval: int = Field(10, ge=1, description="Steps between checkpoints.")
     keep_best_checkpoints: int = Field(3, ge=1, description="Best checkpoints kept, ranked by metric_for_best_model.")
