@@ -29,6 +29,13 @@ One step of the algorithm:
 5. AdamW, linear warmup reaching the full rate at `warmup_steps`, then a constant, linear
    or cosine schedule; gradient clipping; `mini_batches` optimizer updates per pass.
 
+One step off-policy (`max_staleness: 1`): step t+1's rollouts are sampled in a thread
+while step t updates the weights, with the weights of step t - 1 (vLLM servers keep them
+until both are done; the embedded engine samples with a frozen copy that the sync after
+each step refreshes). Each step checks that its rollouts lag the trainer by at most
+`max_staleness` versions (`train/policy_lag_max`), and TIS weighs every token by
+min(exp(old - sampler), tis_cap) for the lag. A resumed run's first step samples on-policy.
+
 Evaluation runs before the first step, every `eval_interval` steps and after the last:
 one sample per validation item (`eval_samples` items) at the rollout temperature, with the
 same seed every time, so two evaluations differ by the model and not by the dice. The
