@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -86,17 +89,24 @@ def deploy_to_work_pool(config: PipelineConfig, pool: str, *, schedule: bool = T
 
 
 def start_uis(tracking_uri: str, *, prefect_port: int = 4200, mlflow_port: int = 5000) -> None:
-    """Start the Prefect server and the MLflow UI on loopback; wait until interrupted."""
+    """Start the Prefect server and the MLflow UI on loopback; wait until interrupted (Ctrl-C,
+    SIGTERM or SIGHUP), then stop both with every process they started, freeing their ports."""
+    def stop(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+    # Each server in a session of its own: its workers (uvicorn, gunicorn) go with it.
     processes = [
         subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                          "--port", str(prefect_port)]),
+                          "--port", str(prefect_port)], start_new_session=True),
         subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
                           resolve_tracking_uri(tracking_uri), "--host", "127.0.0.1", "--port", str(mlflow_port),
-                          "--workers", "1"]),
+                          "--workers", "1"], start_new_session=True),
     ]
     print(f"Prefect UI: http://127.0.0.1:{prefect_port}  (point runs at it: "
-          f"export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api)")
-    print(f"MLflow UI:  http://127.0.0.1:{mlflow_port}")
+          f"export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api)", flush=True)
+    print(f"MLflow UI:  http://127.0.0.1:{mlflow_port}", flush=True)
     try:
         while all(p.poll() is None for p in processes):
             time.sleep(1)
@@ -104,6 +114,16 @@ def start_uis(tracking_uri: str, *, prefect_port: int = 4200, mlflow_port: int =
         pass
     finally:
         for p in processes:
-            p.terminate()
+            _signal_group(p, signal.SIGTERM)
         for p in processes:
-            p.wait(timeout=30)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+            _signal_group(p, signal.SIGKILL)  # workers that outlived their parent
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signum)

@@ -59,10 +59,12 @@ def listening_addresses(port: int) -> set[str]:
 
 
 @contextmanager
-def started(*args: str, log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """`agentrft ARGS` running in its own process group, its output in `log`; Ctrl-C (SIGINT
-    to the group) at the end, as a user stops it in a terminal, and the group is killed if
-    it does not stop."""
+def started(*args: str, log: Path, env: dict[str, str] | None = None,
+            stop: str = "ctrl-c") -> Iterator[subprocess.Popen]:
+    """`agentrft ARGS` running in its own process group, its output in `log`; at the end
+    Ctrl-C (SIGINT to the group), as a user stops it in a terminal, or (`stop="kill"`)
+    SIGTERM to the process alone, as `kill PID` or a service manager stops it; the group is
+    killed if it does not stop."""
     with log.open("w") as output:
         process = subprocess.Popen([str(AGENTRFT), *args], cwd=REPO, env={**os.environ, **(env or {})},
                                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
@@ -71,7 +73,10 @@ def started(*args: str, log: Path, env: dict[str, str] | None = None) -> Iterato
         yield process
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGINT)
+            if stop == "kill":
+                process.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(process.pid, signal.SIGINT)
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -381,12 +386,14 @@ def test_model_bootstrap_with_a_tiny_budget(world: Path, tmp_path: Path) -> None
 
 
 @pytest.mark.integration
-def test_ui_serves_prefect_and_mlflow_on_loopback(tmp_path: Path) -> None:
+def test_ui_serves_prefect_and_mlflow_on_loopback_and_frees_both_ports_on_sigterm(tmp_path: Path) -> None:
+    """Stopped by SIGTERM to its own process only (`kill PID`, a service manager), `agentrft
+    ui` stops both servers and every worker they started: both ports are free again."""
     prefect_port, mlflow_port = free_port(), free_port()
     store = tmp_path / "mlflow.db"
     with started("ui", "--tracking-uri", f"sqlite:///{store}", "--prefect-port", str(prefect_port),
                  "--mlflow-port", str(mlflow_port), log=tmp_path / "ui.log",
-                 env={"PREFECT_HOME": str(tmp_path / "prefect")}) as ui:
+                 env={"PREFECT_HOME": str(tmp_path / "prefect")}, stop="kill") as ui:
         assert wait_until_answers(f"http://127.0.0.1:{prefect_port}/api/health", ui).json() is True
         assert wait_until_answers(f"http://127.0.0.1:{mlflow_port}/health", ui).text == "OK"
         experiments = httpx.get(f"http://127.0.0.1:{mlflow_port}/api/2.0/mlflow/experiments/search",
