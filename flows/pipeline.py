@@ -108,6 +108,8 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict
         current = stage
         def call(refresh: bool) -> tuple[Any, bool]:
             state = task.with_options(refresh_cache=refresh)(*args, ctx=ctx, **kwargs, return_state=True)
+            if state.is_failed() and state.name == "Stopped":  # a verdict (on the data), not a crash
+                raise PipelineStopped(state.message)
             return state.result(), state.name == "Cached"
 
         result, cached = call(STAGES.index(stage) >= first_refreshed)

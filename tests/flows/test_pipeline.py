@@ -147,7 +147,7 @@ def test_worse_candidate_is_never_champion_and_rollback_works(first_run, world, 
     assert str(client.get_model_version_by_alias("micro-agent", "champion").version) == "1"
 
 
-def test_drifted_data_stops_at_validation(harness, world, endpoints, taught_model):
+def test_drifted_data_stops_at_validation(harness, world, endpoints, taught_model, capfd):
     from flows.pipeline import agent_rft_pipeline, pipeline_parameters
 
     drifted = world / "drifted"
@@ -161,10 +161,14 @@ def test_drifted_data_stops_at_validation(harness, world, endpoints, taught_mode
         "dvc_file": str(world / "drifted.dvc"), "train_file": str(drifted / "train.jsonl"),
         "validation_file": str(drifted / "validation.jsonl"), "test_file": str(drifted / "test.jsonl"),
         "expectations_dir": str(world / "expectations"), "expectations_suite": "traffic"})
+    capfd.readouterr()
     state = agent_rft_pipeline(**pipeline_parameters(config), return_state=True)
-    assert state.is_failed()
+    assert state.is_failed() and state.name == "Stopped"  # a verdict on the data, as a gate's
     with pytest.raises(Exception, match="validate_data: .* failed checks"):
         state.result()
+    logged = capfd.readouterr().err
+    assert "Traceback" not in logged, logged[-3000:]
+    assert "validate_data: " in logged and "failed checks" in logged
     client = mlflow_client(config.mlflow.tracking_uri)
     parent = client.search_runs([client.get_experiment_by_name("micro").experiment_id],
                                 filter_string="tags.stopped_at = 'validate_data'")[0]
