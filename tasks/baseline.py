@@ -60,7 +60,7 @@ def baseline(model_path: str, *, model: Any, data: Any, tools: Any, grader: dict
         )
         for path in write_outputs(summary, records, Path(work_dir) / STAGE / run_id).values():
             client.log_artifact(run_id, str(path))
-        keep_rollouts(ctx, run_id, records, kind="baseline", n=traces)
+        keep_rollouts(ctx, run_id, records, kind="baseline", n=traces, items=items)
         log_metrics(client, run_id, summary.metrics)
         result = BaselineResult(run_id=run_id, model=model_path, metrics=summary.metrics,
                                 gates=baseline_gates(summary.metrics, gates))

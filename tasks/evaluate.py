@@ -164,7 +164,7 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
             log_metrics(client, run_id, summary.metrics, model_id=candidate.model_id if name == "candidate" else None)
             for artifact in write_outputs(summary, records, out / name).values():
                 client.log_artifact(run_id, str(artifact), name)
-            keep_rollouts(ctx, run_id, records, kind=name, n=traces)
+            keep_rollouts(ctx, run_id, records, kind=name, n=traces, items=items)
         bootstrap = {"samples": p.bootstrap_samples, "seed": seed}
         vs_baseline = compare((evaluated["baseline"][0], "baseline"), (evaluated["candidate"][0], "candidate"),
                               **bootstrap)

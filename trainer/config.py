@@ -602,7 +602,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
     """Load a YAML pipeline config; `overrides` are merged section by section on top."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found; pass a YAML file such as configs/demo.yaml")
+        raise ConfigError(f"{path}: config file not found; pass a YAML file such as envs/finqa/demo.yaml or configs/job.yaml")
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
