@@ -248,14 +248,20 @@ def serve_model(model: Annotated[str, typer.Option(help="Local path, hub id or m
                                                               "template (as model.chat_format).")] = "auto",
                 enable_thinking: Annotated[bool | None, typer.Option(
                     "--enable-thinking/--disable-thinking", help="qwen3: think before answering (default: "
-                    "the template's).")] = None) -> None:
+                    "the template's).")] = None,
+                trace_to: Annotated[str | None, typer.Option(
+                    help="Write every answered request as an MLflow trace to this store (what `agentrft monitor` "
+                    "reads).")] = None,
+                trace_experiment: Annotated[str, typer.Option(help="The MLflow experiment of those traces.")] =
+                "agentrft-served") -> None:
     """Serve a model with an OpenAI-compatible chat API (/v1/chat/completions, tool calls)."""
     from tasks.tracking import resolve_tracking_uri
     from trainer.model_server import serve_model as serve_chat
 
     serve_chat(model, host=host, port=port, device=device, max_len=max_len, api_key=api_key,
                tracking_uri=resolve_tracking_uri(tracking_uri), chat_format=chat_format,
-               enable_thinking=enable_thinking)
+               enable_thinking=enable_thinking, trace_to=resolve_tracking_uri(trace_to) if trace_to else None,
+               trace_experiment=trace_experiment)
 
 
 # --- configs, expectations, graders ---------------------------------------------------------

@@ -3,6 +3,7 @@ training scores its rollouts.
 
     from tasks.scoring import grader_scorer
     scorer = grader_scorer(config.grader)          # any grader object of the config
+    mlflow.set_experiment(experiment_id=traces_experiment)  # assessments land on the traces
     mlflow.genai.evaluate(data=traces_or_rows, scorers=[scorer])
 
 The scorer builds the grader's sample as the rollout loop does (`sample_from_text`: the

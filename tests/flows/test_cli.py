@@ -31,6 +31,7 @@ from envs.finqa.tiny_model import count_parameters
 from tasks.expectations import load_suite
 from tasks.tracking import mlflow_client
 from tests.pipeline_world import micro
+from tests.taught_model import GRADER as ANSWER_GRADER
 from tests.taught_model import SYSTEM, TOOLS
 from trainer.config import load_config
 from trainer.data import read_items, read_jsonl
@@ -339,8 +340,9 @@ def test_eval_on_the_taught_model(world: Path, micro_yaml: Path, tmp_path: Path)
 @pytest.mark.integration
 def test_serve_model_answers_the_openai_client(world: Path, taught_model: Path, tmp_path: Path) -> None:
     port = free_port()
+    traces_store = f"sqlite:///{tmp_path / 'served.db'}"
     with started("serve-model", "--model", str(taught_model), "--port", str(port), "--device", "cpu",
-                 "--max-len", "1024", log=tmp_path / "serve-model.log") as server:
+                 "--max-len", "1024", "--trace-to", traces_store, log=tmp_path / "serve-model.log") as server:
         models = wait_until_answers(f"http://127.0.0.1:{port}/v1/models", server).json()
         assert [m["id"] for m in models["data"]] == [str(taught_model)]
         assert listening_addresses(port) == {"127.0.0.1"}
@@ -362,6 +364,32 @@ def test_serve_model_answers_the_openai_client(world: Path, taught_model: Path, 
         assert replies[0].usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         assert 0 < replies[0].usage.completion_tokens <= 48
     assert server.returncode is not None and listening_addresses(port) == set()
+
+    # --trace-to: each request is a trace, which the grader's MLflow scorer scores as the
+    # pipeline grades (against the item, logged as the expectation a labeller would add)
+    import mlflow
+
+    from tasks.scoring import grader_scorer
+    from trainer.graders import grade, sample_from_text
+
+    mlflow.set_tracking_uri(traces_store)
+    experiment = mlflow.get_experiment_by_name("agentrft-served").experiment_id
+    traces = mlflow.search_traces(experiment_ids=[experiment])
+    assert len(traces) == 2
+    for trace_id in traces["trace_id"]:
+        trace = mlflow.get_trace(trace_id)
+        assert trace.info.tags["kind"] == "served" and trace.info.tags["model"] == str(taught_model)
+        assert [s.span_type for s in trace.data.spans] == ["AGENT", "CHAT_MODEL"]
+        mlflow.log_expectation(trace_id=trace_id, name="item", value={"reference_answer": item["reference_answer"]})
+    traces = mlflow.search_traces(experiment_ids=[experiment])
+    mlflow.set_experiment(experiment_id=experiment)  # the evaluation run beside the traces it scores
+    mlflow.genai.evaluate(data=traces, scorers=[grader_scorer(ANSWER_GRADER, name="answer")])
+    reply = first.message.model_dump()
+    expected = grade(ANSWER_GRADER, sample_from_text(reply["content"] or "", reply.get("tool_calls") or []),
+                     {"reference_answer": item["reference_answer"]})
+    for trace_id in traces["trace_id"]:
+        [scored] = [a for a in mlflow.get_trace(trace_id).info.assessments if a.name == "answer"]
+        assert scored.value == expected.reward and (scored.error is None) == (expected.reward is not None)
 
 
 # --- the demo model and the UIs -------------------------------------------------------------
