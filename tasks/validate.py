@@ -34,6 +34,7 @@ from tasks.expectations import (
 from tasks.results import ValidationResult
 from tasks.tracking import (
     RunContext,
+    link_split,
     log_datasets,
     log_json,
     log_metrics,
@@ -226,5 +227,7 @@ def _validate_data(data: Any, grader: dict[str, Any], ctx: RunContext) -> Valida
                 f"`{first['column']}` of {first['dataset']}: observed {short(first['observed'])}, expected "
                 f"{short(first['expected'])}. Full report: validation_report.md in MLflow run {run_id}"
             )
+    for split in ("validation", "test"):  # the splits the stages read, as MLflow evaluation datasets
+        link_split(ctx, run_id, data, split)
     source = "test file" if data.test_file else "seeded half of the validation file (no test_file)"
     return ValidationResult(run_id=run_id, metrics=report.metrics(), test_split=source)

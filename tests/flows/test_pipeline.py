@@ -76,8 +76,26 @@ def test_first_run_records_six_stages_and_promotes(first_run):
     regression = stages["regression_eval"].data.metrics
     assert regression["regression/gain_low"] > 0 and regression["regression/gates_passed"] == 1.0
     assert outcome["score_gain"]["gain"] > 0.1
-    inputs = {d.dataset.name: d.dataset.digest for d in stages["validate_data"].inputs.dataset_inputs}
+    inputs = {d.dataset.name: d.dataset.digest for d in stages["validate_data"].inputs.dataset_inputs
+              if d.dataset.name.endswith(".jsonl")}
     assert set(inputs) == {"train.jsonl", "validation.jsonl", "test.jsonl"} and len(set(inputs.values())) == 1
+    # the validation and test splits as MLflow evaluation datasets of this data version,
+    # linked to every stage run that read them
+    from mlflow.genai.datasets import search_datasets
+
+    md5 = parent.data.tags["data_md5"]
+    for stage, splits_read in (("validate_data", {"validation", "test"}), ("baseline", {"validation"}),
+                               ("prompt_optimization", {"validation"}), ("rft_training", {"validation"}),
+                               ("regression_eval", {"test"})):
+        named = {d.dataset.name for d in stages[stage].inputs.dataset_inputs if "@" in d.dataset.name}
+        assert named == {f"{split}@{md5[:12]}" for split in splits_read}, stage
+    for split in ("validation", "test"):
+        [dataset] = search_datasets(experiment_ids=[parent.info.experiment_id],
+                                    filter_string=f"name = '{split}@{md5[:12]}'")
+        assert dataset.tags["dvc_md5"] == md5 and dataset.tags["split"] == split
+        records = dataset.to_df()
+        assert len(records) == len(read_items(Path(getattr(config.data, f"{split}_file"))))
+        assert all(row["item"]["reference_answer"] is not None for row in records["expectations"])
     for stage, artifact in (("validate_data", "validation_report.md"), ("baseline", "per_item_spread.png"),
                             ("prompt_optimization", "variants.md"), ("regression_eval", "regression_report.md"),
                             ("regression_eval", "reward_hacking_probes.json"), ("promotion", "promotion.json")):
