@@ -122,6 +122,21 @@ def run(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None, refres
 
 
 @app.command()
+def monitor(config: ConfigOption, set_: SetOption = None,
+            version: Annotated[str | None, typer.Option(help="Registry version watched (default: champion).")] = None
+            ) -> None:
+    """Score the served model's latest traffic windows and check them for drift (monitor.*)."""
+    from flows.monitor import monitor_model
+    from flows.pipeline import outcome_of
+
+    pipeline_config = _config(config, set_)
+    result = outcome_of(monitor_model(pipeline_config, version, return_state=True), "the monitor")
+    print(json.dumps({"monitor": "passed", "version": result["version"], "mlflow_run_id": result["run_id"],
+                      "windows": [{k: v for k, v in w.items() if k != "failures"} for w in result["windows"]]},
+                     indent=2))
+
+
+@app.command()
 def demo(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None, refresh: RefreshOption = None) -> None:
     """The whole pipeline on the embedded FinQA-style default (what `make demo` runs)."""
     from envs.finqa.demo import run_demo
