@@ -29,7 +29,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 DEMO_CONFIG = "envs/finqa/demo.yaml"
 app = typer.Typer(name="agentrft", help="Self-hosted Agent Reinforcement Fine-Tuning.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
-data_app = typer.Typer(help="The demo's data: generate, verify, import FinQA.", no_args_is_help=True)
+data_app = typer.Typer(help="Data: generate, verify and import the demo's, count test-split readings.", no_args_is_help=True)
 env_app = typer.Typer(help="Example environments.", no_args_is_help=True)
 grader_app = typer.Typer(help="Validate, run and probe graders.", no_args_is_help=True)
 config_app = typer.Typer(help="Pipeline configs.", no_args_is_help=True)
@@ -176,6 +176,9 @@ def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
              split: Annotated[str, typer.Option(help="validation or test.")] = "validation",
              out: Annotated[Path, typer.Option(help="Output folder.")] = Path("runs/eval")) -> None:
     """Evaluate a model: k rollouts per item of a split, with progress and a summary table."""
+    import time
+
+    from mlflow.entities import Metric
     from rich.console import Console
     from rich.table import Table
 
@@ -195,6 +198,24 @@ def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
         k=k or c.baseline.k, seed=c.baseline.seed, prefix="eval", group_by=c.promotion.group_by,
     )
     paths = write_outputs(summary, records, out)
+    if split == "test":  # a reading of the test split: counted in the ledger and in MLflow
+        from tasks.ledger import record_reading, tag_run
+        from tasks.tracking import mlflow_client
+
+        store = resolve_tracking_uri(c.mlflow.tracking_uri)
+        client = mlflow_client(store)
+        experiment = client.get_experiment_by_name(c.mlflow.experiment)
+        run_id = client.create_run(experiment.experiment_id if experiment else client.create_experiment(
+            c.mlflow.experiment), run_name="eval (test split)", tags={"command": "agentrft eval --split test"}
+        ).info.run_id
+        client.log_batch(run_id, metrics=[Metric(key, float(value), int(time.time() * 1000), 0)
+                                          for key, value in summary.metrics.items()])
+        found = record_reading(c.data, command="agentrft eval --split test", config=c.name,
+                               config_hash=c.section_hash(), model=model or c.model.base_model, mlflow_run_id=run_id)
+        tag_run(client, run_id, found)
+        client.set_terminated(run_id)
+        if found is not None:
+            print(f"{found.sentence()} Ledger: {c.data.test_ledger}; MLflow run {run_id}.")
     table = Table(title="evaluation")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -401,6 +422,20 @@ def data_verify(config: ConfigOption = Path(DEMO_CONFIG), seed: int = 0) -> None
 
     md5 = ensure_data(_config(config, None), seed=seed)
     print(f"data matches its DVC pin (md5 {md5})")
+
+
+@data_app.command("readings")
+def data_readings(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None) -> None:
+    """How many times the config's test split has been read, and by which configs (data.test_ledger)."""
+    from tasks.ledger import readings, split_digest
+
+    c = _config(config, set_)
+    if not c.data.test_ledger:
+        raise AgentRFTError("data.test_ledger is null: readings are tagged in MLflow only (test_split.readings)")
+    split, items = split_digest(c.data)
+    found = readings(Path(c.data.test_ledger), split)
+    print(json.dumps({"ledger": c.data.test_ledger, "test_split_sha256": split, "items": items,
+                      "readings": found.count, "configs": found.configs}, indent=2))
 
 
 @data_app.command("import-finqa")

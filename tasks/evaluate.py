@@ -25,6 +25,7 @@ import numpy as np
 from prefect import get_run_logger, task
 
 from tasks.cache import stage_cache
+from tasks.ledger import record_reading, tag_run
 from tasks.results import Candidate, Gate, RegressionResult
 from tasks.rollout_eval import apply_variant, evaluate_model, keep_rollouts
 from tasks.tracking import (
@@ -193,7 +194,14 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
                                      "regression/gates_passed": float(all(x.passed for x in gates.values()))},
                     model_id=candidate.model_id)
         logger.info("regression_eval: the report and its figures")
+        experiment = client.get_experiment(ctx.experiment_id).name
+        found = record_reading(data, command="regression_eval", config=experiment, config_hash=ctx.config_hash,
+                               model=candidate.model_uri, git_commit=ctx.git_commit, mlflow_run_id=run_id)
+        tag_run(client, run_id, found)
         markdown = report_markdown(results, gates, p.group_by)
+        if found is not None:
+            markdown += f"\n{found.sentence()} Ledger: {data.test_ledger}.\n"
+            logger.info("regression_eval: %s", found.sentence())
         log_text(client, run_id, markdown, "regression_report.md")
         log_json(client, run_id, results, "regression_report.json")
         figures = {name: evaluated[name][1] for name in runs}

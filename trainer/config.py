@@ -98,6 +98,10 @@ class DataConfig(Section):
         "production_traffic", description="Suite in the data context the datasets are validated against; None "
         "skips the suite (leakage and gradability checks still run)."
     )
+    test_ledger: str | None = Field(
+        "test_readings.jsonl", description="Ledger of every reading of the test split (regression_eval, `agentrft "
+        "eval --split test`), one JSON line each; commit it with the project, since an MLflow store's count "
+        "starts at zero on every clone. None: readings are tagged in MLflow only.")
     max_train_items: int | None = Field(None, ge=1, description="Use only the first N training items.")
     max_validation_items: int | None = Field(None, ge=1, description="Use only the first N validation items.")
     max_test_items: int | None = Field(None, ge=1, description="Use only the first N test items.")

@@ -101,6 +101,17 @@ def test_first_run_records_six_stages_and_promotes(first_run):
                             ("regression_eval", "reward_hacking_probes.json"), ("promotion", "promotion.json")):
         assert artifact in {a.path for a in client.list_artifacts(stages[stage].info.run_id)}, (stage, artifact)
 
+    # the reading of the test split is in the ledger and on the run, and the report says it
+    # (the session's world is shared: other tests' readings of the same split count too)
+    ledger = read_jsonl(Path(config.data.test_ledger))
+    regression = stages["regression_eval"]
+    [reading] = [r for r in ledger if r["mlflow_run_id"] == regression.info.run_id]
+    assert reading["command"] == "regression_eval" and reading["config_hash"] == config.section_hash()
+    count = len([r for r in ledger[: ledger.index(reading) + 1] if r["split_sha256"] == reading["split_sha256"]])
+    assert regression.data.tags["test_split.readings"] == str(count)
+    report = Path(client.download_artifacts(regression.info.run_id, "regression_report.md")).read_text()
+    assert f"has been read {'once' if count == 1 else f'{count} times'}" in report
+
     # the test items are read by the regression evaluation alone: every other stage's rollouts
     # come from the validation (or training) items
     splits = {name: {row["id"] for row in read_items(Path(getattr(config.data, f"{name}_file")))}

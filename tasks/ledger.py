@@ -1,0 +1,81 @@
+"""The test-split ledger: every reading of a test split, in a file the project commits.
+
+A test split is meant to be read once per frozen config; every reading is a choice made
+on it, which its figures no longer survive. An MLflow store counts readings from zero on
+every clone, so the count lives in a JSONL file beside the data (`data.test_ledger`,
+committed with the project): `regression_eval` and `agentrft eval --split test` append a
+line per reading (when, which split, which config, which command, which MLflow run), tag
+their MLflow run with the count, and say it in their report.
+
+A split is named by the sha256 of its items as the stages read them (every item of
+`split_items(data, "test")`, whatever `max_items` a reading used), so a regenerated or
+re-ordered file is another split, and the seeded half of a validation file is one too.
+
+    agentrft data readings --config job.yaml    # how many times, by which configs
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.data import read_jsonl, split_items
+
+
+@dataclass
+class Readings:
+    split: str  # the split's sha256 (its first 16 hex digits name it)
+    count: int  # readings of this split, this one included
+    configs: list[str]  # the distinct configs (name and hash) that read it, oldest first
+
+    def sentence(self) -> str:
+        times = "once" if self.count == 1 else f"{self.count} times"
+        return (f"This test split (sha256 {self.split[:16]}) has been read {times}, by "
+                f"{len(self.configs)} config{'s' if len(self.configs) != 1 else ''}: {', '.join(self.configs)}.")
+
+
+def split_digest(data: Any) -> tuple[str, int]:
+    """(sha256 of the test split's items, their number)."""
+    items = split_items(data, "test")
+    digest = hashlib.sha256("".join(json.dumps(item, sort_keys=True) + "\n" for item in items).encode())
+    return digest.hexdigest(), len(items)
+
+
+def readings(ledger: Path, split: str) -> Readings:
+    rows = [r for r in read_jsonl(ledger) if r.get("split_sha256") == split] if ledger.is_file() else []
+    configs = list(dict.fromkeys(f"{r['config']} ({r['config_hash'][:8]})" if r.get("config_hash") else r["config"]
+                                 for r in rows))
+    return Readings(split=split, count=len(rows), configs=configs)
+
+
+def record_reading(data: Any, *, command: str, config: str, config_hash: str, model: str,
+                   git_commit: str = "", mlflow_run_id: str = "", note: str = "") -> Readings | None:
+    """Append this reading to `data.test_ledger` (None: no ledger, nothing recorded) and
+    return the split's readings so far, this one included."""
+    if not data.test_ledger:
+        return None
+    ledger = Path(data.test_ledger)
+    split, n_items = split_digest(data)
+    row = {
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "split_sha256": split, "test_file": data.test_file or f"{data.validation_file} (seeded half)",
+        "items": n_items, "command": command, "config": config, "config_hash": config_hash, "model": model,
+        "git_commit": git_commit, "mlflow_run_id": mlflow_run_id,
+    } | ({"note": note} if note else {})
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    with ledger.open("a") as handle:  # one line at a time, whoever else appends
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.write(json.dumps(row) + "\n")
+    return readings(ledger, split)
+
+
+def tag_run(client: Any, run_id: str, found: Readings | None) -> None:
+    if found is not None:
+        client.set_tag(run_id, "test_split.sha256", found.split)
+        client.set_tag(run_id, "test_split.readings", str(found.count))
+        client.set_tag(run_id, "test_split.configs", ", ".join(found.configs)[:5000])

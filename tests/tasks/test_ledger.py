@@ -1,0 +1,43 @@
+"""The test-split ledger (tasks/ledger.py): every reading appended, counted per split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tasks.ledger import readings, record_reading, split_digest
+from trainer.config import DataConfig
+from trainer.data import read_items, read_jsonl
+
+
+def _data(tmp_path: Path, demo_data_dir: Path, test_items: int) -> DataConfig:
+    for split, count in (("train", 4), ("validation", 4), ("test", test_items)):
+        rows = read_items(demo_data_dir / f"{split}.jsonl", count)
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return DataConfig(train_file=str(tmp_path / "train.jsonl"), validation_file=str(tmp_path / "validation.jsonl"),
+                      test_file=str(tmp_path / "test.jsonl"), production_traffic_file=None, expectations_suite=None,
+                      test_ledger=str(tmp_path / "ledger" / "test_readings.jsonl"))
+
+
+def test_each_reading_is_appended_and_counted_per_split(tmp_path, demo_data_dir):
+    data = _data(tmp_path, demo_data_dir, 6)
+    first = record_reading(data, command="regression_eval", config="job", config_hash="a" * 16, model="m1")
+    again = record_reading(data, command="agentrft eval --split test", config="job", config_hash="b" * 16, model="m2")
+    assert (first.count, again.count) == (1, 2)
+    assert again.configs == ["job (aaaaaaaa)", "job (bbbbbbbb)"]
+    assert "read 2 times, by 2 configs" in again.sentence()
+    rows = read_jsonl(Path(data.test_ledger))
+    assert [r["command"] for r in rows] == ["regression_eval", "agentrft eval --split test"]
+    assert all(r["items"] == 6 and r["split_sha256"] == split_digest(data)[0] for r in rows)
+
+    # another split (one item more) starts at zero in the same ledger
+    other = _data(tmp_path, demo_data_dir, 7)
+    assert readings(Path(data.test_ledger), split_digest(other)[0]).count == 0
+    assert record_reading(other, command="regression_eval", config="job", config_hash="a" * 16,
+                          model="m1").count == 1
+
+
+def test_no_ledger_records_nothing(tmp_path, demo_data_dir):
+    data = _data(tmp_path, demo_data_dir, 3).model_copy(update={"test_ledger": None})
+    assert record_reading(data, command="regression_eval", config="job", config_hash="a" * 16, model="m") is None
+    assert not (tmp_path / "ledger").exists()
