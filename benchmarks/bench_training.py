@@ -78,21 +78,8 @@ class FullSequenceLogprobs(PolicyUpdate):
     in `chunked_logprobs`."""
 
     def _logprobs(self, batch, *, model=None, entropy=False):
-        device, pad = self.accelerator.device, self.tokenizer.pad_token_id
-        rows = [record for _, (record, _) in batch]
-        ids_rows = [r.token_ids for r in rows] or [[pad, pad]]
-        masks = [r.gen_mask for r in rows] or [[0, 0]]
-        width = max(len(ids) for ids in ids_rows)
-        input_ids = torch.full((len(ids_rows), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(ids_rows), width), dtype=torch.long)
-        generated = torch.zeros((len(ids_rows), width), dtype=torch.bool)
-        for b, (ids, gen_mask) in enumerate(zip(ids_rows, masks, strict=True)):
-            input_ids[b, : len(ids)] = torch.tensor(ids)
-            attention[b, : len(ids)] = 1
-            generated[b, : len(ids)] = torch.tensor(gen_mask, dtype=torch.bool)
-        input_ids, attention, generated = input_ids.to(device), attention.to(device), generated.to(device)
-        first = int(generated.float().argmax(-1)[generated.any(-1)].min()) if generated.any() else width - 1
-        first = max(first, 1)
+        input_ids, attention, generated, first = self._padded(batch)
+        width = input_ids.size(1)
         logits = (model or self.model)(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
         logprobs, ent = chunked_logprobs(logits[:, :-1], input_ids[:, 1:], self.temperature, chunk=width,
                                          with_entropy=entropy, mask=generated[:, 1:])

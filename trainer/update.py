@@ -126,14 +126,13 @@ class PolicyUpdate:
         size = self.config.training.micro_batch_size
         return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
-    def _logprobs(self, batch: list[tuple[int, tuple[RolloutRecord, float]]], *, model: Any = None,
-                  entropy: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Log-probabilities under `model` (default the policy) of the micro-batch's tokens
-        from position `first` (the earliest generated token of any row) to the end: [B, K],
-        with the generation mask over the same span, `first`, and the summed entropy."""
+    def _padded(self, batch: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The micro-batch's rows right-padded on the device: (input ids, attention mask,
+        generation mask, `first`: the earliest generated position of any row, at least 1).
+        An empty micro-batch is a two-token dummy."""
         device, pad = self.accelerator.device, self.tokenizer.pad_token_id
         rows = [record for _, (record, _) in batch]
-        ids_rows = [r.token_ids for r in rows] or [[pad, pad]]  # an empty micro-batch: a two-token dummy
+        ids_rows = [r.token_ids for r in rows] or [[pad, pad]]
         masks = [r.gen_mask for r in rows] or [[0, 0]]
         width = max(len(ids) for ids in ids_rows)
         input_ids = torch.full((len(ids_rows), width), pad, dtype=torch.long)
@@ -143,11 +142,19 @@ class PolicyUpdate:
             input_ids[b, : len(ids)] = torch.tensor(ids)
             attention[b, : len(ids)] = 1
             generated[b, : len(ids)] = torch.tensor(gen_mask, dtype=torch.bool)
-        input_ids, attention, generated = input_ids.to(device), attention.to(device), generated.to(device)
+        first = int(generated.float().argmax(-1)[generated.any(-1)].min()) if generated.any() else width - 1
+        return input_ids.to(device), attention.to(device), generated.to(device), max(first, 1)
+
+    def _logprobs(self, batch: list[tuple[int, tuple[RolloutRecord, float]]], *, model: Any = None,
+                  entropy: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Log-probabilities under `model` (default the policy) of the micro-batch's tokens
+        from position `first` (the earliest generated token of any row) to the end: [B, K],
+        with the generation mask over the same span, `first`, and the summed entropy."""
+        device = self.accelerator.device
         # Hidden states only from the first generated token's predecessor on: the prompt is
         # context, and the output projection runs only where the next token was generated.
-        first = int(generated.float().argmax(-1)[generated.any(-1)].min()) if generated.any() else width - 1
-        first = max(first, 1)
+        input_ids, attention, generated, first = self._padded(batch)
+        width = input_ids.size(1)
         forward = model or self.model
         mask = generated[:, first:]
         targets = input_ids[:, first:][mask]
