@@ -210,6 +210,8 @@ def start_flow_run(record: dict[str, Any]) -> str:
 def flow_runs(ids: list[str]) -> dict[str, Any]:
     from prefect.client.orchestration import get_client
 
+    if not ids:
+        return {}
     with get_client(sync_client=True) as client:
         return {run_id: client.read_flow_run(uuid.UUID(run_id)) for run_id in ids}
 
