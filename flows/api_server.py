@@ -574,6 +574,12 @@ def serve_api(config_path: Path, overrides: list[str], config: PipelineConfig, *
 
     from tasks.tracking import resolve_tracking_uri
 
+    from tasks.tracking import mlflow_client
+
+    tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
+    # The store's schema is made here, once: made by this server's first read while a job's
+    # flow run makes it too, SQLite migrations collide.
+    mlflow_client(tracking_uri)
     children = []
     try:
         url = PREFECT_API_URL.value()
@@ -581,10 +587,11 @@ def serve_api(config_path: Path, overrides: list[str], config: PipelineConfig, *
             server, url = _start_prefect_server(prefect_port)
             children.append(server)
             print(f"Prefect server (UI): {url.removesuffix('/api')}", file=sys.stderr)
+        os.environ["PREFECT_API_URL"] = url  # threads that do not copy the context read it from here
         with temporary_settings({PREFECT_API_URL: url}):
             children.append(_serve_deployment(config_path, overrides, {**os.environ, "PREFECT_API_URL": url}))
             config = config.model_copy(update={"mlflow": config.mlflow.model_copy(
-                update={"tracking_uri": resolve_tracking_uri(config.mlflow.tracking_uri)})})
+                update={"tracking_uri": tracking_uri})})
             work_dir = Path(config.work_dir).resolve() / "api"
             app = create_api_app(config, work_dir=work_dir, api_key=api_key)
             print(f"fine-tuning API: http://{host}:{port}/v1 (jobs run the deployment "
