@@ -572,9 +572,7 @@ def serve_api(config_path: Path, overrides: list[str], config: PipelineConfig, *
     import uvicorn
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.tracking import resolve_tracking_uri
-
-    from tasks.tracking import mlflow_client
+    from tasks.tracking import mlflow_client, resolve_tracking_uri
 
     tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
     # The store's schema is made here, once: made by this server's first read while a job's
