@@ -34,7 +34,7 @@ from flows import api_jobs
 from flows.api_files import PURPOSES, FileStore, public
 from flows.api_jobs import ApiError, JobStore, not_found
 from trainer.api_key import RequireApiKey
-from trainer.config import PipelineConfig
+from trainer.config import PipelineConfig, TrainingConfig, resolved_hyperparameters
 from trainer.errors import AgentRFTError, ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,15 +158,14 @@ class FineTuningApi:
             steps = api_jobs.step_metrics(client, api_jobs.training_runs(client, parents))
             trained_tokens = int(sum(s["metrics"].get("train/tokens_mean", 0.0) * s["metrics"].get("train/rollouts", 0.0)
                                      for s in steps.values())) if steps else None
-        training = record["parameters"]["config"]["training"]
+        hyper = resolved_hyperparameters(TrainingConfig.model_validate(record["parameters"]["config"]["training"]))
         return {
             "object": "fine_tuning.job", "id": record["id"], "created_at": record["created_at"],
             "model": record["model"], "organization_id": api_jobs.ORGANIZATION, "status": status, "error": error,
             "fine_tuned_model": fine_tuned, "finished_at": finished_at, "trained_tokens": trained_tokens,
             "estimated_finish": None, "training_file": record["training_file"],
             "validation_file": record["validation_file"], "result_files": [], "seed": record["seed"],
-            "hyperparameters": {"n_epochs": training["n_epochs"], "batch_size": training["batch_size"],
-                                "learning_rate_multiplier": training.get("learning_rate_multiplier")},
+            "hyperparameters": {key: hyper[key] for key in ("n_epochs", "batch_size", "learning_rate_multiplier")},
             "method": record["method"], "metadata": record["metadata"], "integrations": record["integrations"],
             "user_provided_suffix": record["suffix"],
             "prefect_flow_run_ids": record["flow_run_ids"],
@@ -270,9 +269,9 @@ class FineTuningApi:
 
         entries = []
         for record in self.jobs.list():
-            if record.get("result") is None or self.view(record)["fine_tuned_model"] is None:
+            if self.view(record)["fine_tuned_model"] is None:
                 continue
-            record = self.jobs.get(record["id"])
+            record = self.jobs.get(record["id"])  # with the result that view() recorded
             result = record["result"]
             client = mlflow_client(resolve_tracking_uri(record["parameters"]["config"]["mlflow"]["tracking_uri"]))
             version = client.get_model_version(result["registered_model"], result["version"])

@@ -215,7 +215,7 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
 
         events = list(client.fine_tuning.jobs.list_events(job.id, limit=50))
         steps = sorted(e.data["step"] for e in events if e.type == "metrics")
-        assert steps == [1, 2, 3]
+        assert steps == [0, 1, 2, 3]  # step 0: the evaluation before the first update
         step3 = next(e for e in events if e.type == "metrics" and e.data["step"] == 3)
         assert 0 <= step3.data["train/reward_mean"] <= 1 and "eval/score_mean" in step3.data
         messages = [e.message for e in events]
