@@ -120,7 +120,7 @@ class FineTuningApi:
             if record["cancelled"]:
                 return
             if problem:
-                record["error"] = problem
+                record["error"], record["finished_at"] = problem, int(time.time())
                 api_jobs.add_event(record, f"File validation failed: {problem['message']}", level="error")
             else:
                 try:
@@ -145,6 +145,8 @@ class FineTuningApi:
                      "message": run.state.message or f"Prefect flow run {run.id} ended {run.state.name}"}
         if status in ("succeeded", "failed", "cancelled") and run is not None and run.end_time:
             finished_at = int(run.end_time.timestamp())
+        elif record.get("finished_at"):
+            finished_at = record["finished_at"]
         if status == "succeeded":
             if "result" not in record:
                 with self.jobs.lock:

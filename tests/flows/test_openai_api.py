@@ -126,6 +126,25 @@ def test_bad_job_bodies_get_openai_errors_and_leave_nothing(api_client):
         openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0).models.list()
 
 
+def test_rft_content_checks_fail_the_job_in_validating_files_naming_file_and_line(api_client):
+    client, _, _ = api_client
+    rows = _rows(3).splitlines()
+    rows[1] = json.dumps({"messages": [], "reference_answer": "1"}).encode()  # line 2: no messages
+    train = client.files.create(file=("train.jsonl", b"\n".join(rows) + b"\n"), purpose="fine-tune")
+    valid = client.files.create(file=("valid.jsonl", _rows(2)), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model="tiny", training_file=train.id, validation_file=valid.id,
+                                         method={"type": "reinforcement", "reinforcement": {"grader": GRADER}})
+    assert job.status == "validating_files"
+    failed = _wait("validation", lambda: (lambda j: j if j.status != "validating_files" else None)(
+        client.fine_tuning.jobs.retrieve(job.id)), 60, every=0.2)
+    assert failed.status == "failed" and failed.error.param == "training_file"
+    assert failed.error.code == "invalid_training_file"
+    assert f"{train.id} (train.jsonl) line 2: messages_well_formed" in failed.error.message
+    assert failed.prefect_flow_run_ids == []  # no pipeline run was started
+    events = [e.message for e in client.fine_tuning.jobs.list_events(job.id)]
+    assert any(m.startswith("The job failed: training_file") for m in events) and failed.finished_at
+
+
 # --- the whole client script on the real pipeline -------------------------------------------------
 
 
@@ -153,7 +172,10 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
     from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH
 
     config_file = world / "api.yaml"
-    config_file.write_text(yaml.safe_dump(micro(world, endpoints, taught_model).model_dump(mode="json")))
+    # The job sets the learning rate (as a multiplier): small enough that three steps keep the
+    # taught model's habit of listing a folder first, so chat can show a tool call.
+    server_config = micro(world, endpoints, taught_model, training={"learning_rate": None})
+    config_file.write_text(yaml.safe_dump(server_config.model_dump(mode="json")))
     port = _free_port()
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "AGENTRFT_TEST_KEY": KEY,
            "PREFECT_LOCAL_STORAGE_PATH": str(PREFECT_LOCAL_STORAGE_PATH.value())}
@@ -174,7 +196,7 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
                  for split in ("train", "validation", "test")}
         rft = {"grader": GRADER, "max_episode_steps": 3,
                "tools": [{"name": e.name, "server_url": e.server_url, "headers": e.headers} for e in endpoints],
-               "hyperparameters": {"batch_size": 2, "eval_interval": 3, "eval_samples": 2, "compute_multiplier": 0.5,
+               "hyperparameters": {"batch_size": 2, "learning_rate_multiplier": 0.01, "eval_interval": 3, "eval_samples": 2, "compute_multiplier": 0.5,
                                    "reasoning_effort": "low"}}
         job = client.fine_tuning.jobs.create(
             model=str(taught_model), training_file=files["train"], validation_file=files["validation"],
