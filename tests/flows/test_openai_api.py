@@ -217,9 +217,11 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
         assert resumed.status in ("queued", "running") and len(resumed.prefect_flow_run_ids) == 2
 
         # A second job, cancelled: cancelled in the API and in Prefect.
-        other = client.fine_tuning.jobs.create(
-            model=str(taught_model), training_file=files["train"], validation_file=files["validation"],
+        other = client.fine_tuning.jobs.create(  # without a validation_file: the server config's
+            model=str(taught_model), training_file=files["train"],
             suffix="micro-cancel", method={"type": "reinforcement", "reinforcement": rft})
+        assert other.validation_file is None
+        assert any("no validation_file" in e.message for e in client.fine_tuning.jobs.list_events(other.id))
         _wait("the second job to queue", lambda: client.fine_tuning.jobs.retrieve(other.id).status
               in ("queued", "running"), 120, server, 1)
         assert client.fine_tuning.jobs.cancel(other.id).status == "cancelled"
@@ -268,3 +270,34 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+@pytest.mark.integration
+def test_api_starts_a_prefect_server_when_none_is_named(world, endpoints, taught_model, tmp_path):
+    import httpx
+
+    config_file = tmp_path / "api.yaml"
+    config_file.write_text(yaml.safe_dump(micro(world, endpoints, taught_model).model_dump(mode="json")))
+    port, prefect_port = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # the started server's database
+    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "api", "--config", str(config_file), "--port",
+                               str(port), "--prefect-port", str(prefect_port)], cwd=REPO, env=env)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+    def answering():
+        try:
+            return client.fine_tuning.jobs.list().data == []
+        except openai.APIConnectionError:
+            return False
+
+    try:
+        _wait("the API", answering, 400, server)
+        prefect = f"http://127.0.0.1:{prefect_port}/api"
+        deployment = httpx.get(f"{prefect}/deployments/name/agent-rft-pipeline/scheduled").json()
+        assert deployment["name"] == "scheduled" and deployment["parameters"]["config"]["name"] == "micro"
+    finally:
+        server.terminate()
+        server.wait(timeout=90)
+    with pytest.raises(httpx.ConnectError):  # the server it started went with it
+        httpx.get(f"{prefect}/health")
