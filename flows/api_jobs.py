@@ -212,8 +212,16 @@ def flow_runs(ids: list[str]) -> dict[str, Any]:
 
     if not ids:
         return {}
+    from prefect.exceptions import ObjectNotFound
+
+    runs = {}
     with get_client(sync_client=True) as client:
-        return {run_id: client.read_flow_run(uuid.UUID(run_id)) for run_id in ids}
+        for run_id in ids:
+            try:
+                runs[run_id] = client.read_flow_run(uuid.UUID(run_id))
+            except ObjectNotFound:  # another Prefect server, or its database made anew
+                runs[run_id] = None
+    return runs
 
 
 def set_flow_run_cancelled(run_id: str, message: str) -> None:
@@ -230,6 +238,64 @@ def set_flow_run_cancelled(run_id: str, message: str) -> None:
         client.set_flow_run_state(run.id, state, force=True)
 
 
+def flow_run_logs(ids: list[str]) -> list[Any]:
+    """Every log line of the flow runs, in the order Prefect keeps them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(i) for i in ids]))
+    logs: list[Any] = []
+    with get_client(sync_client=True) as client:
+        while True:
+            page = client.read_logs(log_filter=log_filter, limit=200, offset=len(logs))
+            logs += page
+            if len(page) < 200:
+                return logs
+
+
+_TRAINING_PROGRESS = re.compile(r"^GRPO: (\d+)/(\d+) steps, .*ETA (\d+) s")
+
+
+def training_eta(flow_run_id: str) -> int | None:
+    """When training should end, from the newest progress line of the trainer (its ETA);
+    None before training has reported one. The regression evaluation after it is not counted."""
+    for log in reversed(flow_run_logs([flow_run_id])):
+        match = _TRAINING_PROGRESS.match(log.message)
+        if match:
+            return int(log.timestamp.timestamp()) + int(match.group(3))
+    return None
+
+
+def release_model_lock(record: dict[str, Any]) -> bool:
+    """Free the registered model's lock that a paused job's killed run may still hold: its
+    Prefect concurrency lease would expire only minutes later, and the resumed run would
+    wait for it. Only when no live flow run trains that model; the limit is deleted and the
+    next holder makes it anew. Returns whether one was deleted."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.exceptions import ObjectNotFound
+
+    from tasks.locks import limit_name
+
+    model = record["parameters"]["config"]["promotion"]["registered_model"]
+    live = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+        any_=[StateType.RUNNING, StateType.PENDING, StateType.CANCELLING])))
+    with get_client(sync_client=True) as client:
+        for run in client.read_flow_runs(flow_run_filter=live):
+            if ((run.parameters.get("config") or {}).get("promotion") or {}).get("registered_model") == model:
+                return False
+        try:
+            client.delete_global_concurrency_limit_by_name(limit_name(model))
+        except ObjectNotFound:
+            return False
+    return True
+
+
 _STATUS = {"SCHEDULED": "queued", "PENDING": "queued", "RUNNING": "running", "COMPLETED": "succeeded",
            "FAILED": "failed", "CRASHED": "failed", "CANCELLED": "cancelled", "CANCELLING": "cancelled",
            "PAUSED": "paused"}
@@ -242,6 +308,8 @@ def job_status(record: dict[str, Any], runs: dict[str, Any]) -> tuple[str, Any]:
     if not record["flow_run_ids"]:
         return ("cancelled" if record["cancelled"] else "validating_files"), None
     run = runs[record["flow_run_ids"][-1]]
+    if run is None:
+        return "failed", None
     if record["paused"]:
         return "paused", run
     return _STATUS[run.state.type.value], run

@@ -139,7 +139,13 @@ class FineTuningApi:
         status, run = api_jobs.job_status(record, runs)
         error = record["error"]
         fine_tuned, trained_tokens, finished_at = None, None, None
-        if status == "failed" and error is None:
+        if status == "failed" and error is None and run is None:
+            from prefect.settings import PREFECT_API_URL
+
+            error = {"code": "flow_run_missing", "param": None,
+                     "message": f"the job's Prefect flow run {record['flow_run_ids'][-1]} is not on the Prefect "
+                                f"server {PREFECT_API_URL.value()} (another server, or its database made anew)"}
+        elif status == "failed" and error is None:
             stopped = run.state.name == "Stopped"
             error = {"code": "pipeline_stopped" if stopped else "pipeline_failed", "param": None,
                      "message": run.state.message or f"Prefect flow run {run.id} ended {run.state.name}"}
@@ -160,12 +166,13 @@ class FineTuningApi:
             steps = api_jobs.step_metrics(client, api_jobs.training_runs(client, parents))
             trained_tokens = int(sum(s["metrics"].get("train/tokens_mean", 0.0) * s["metrics"].get("train/rollouts", 0.0)
                                      for s in steps.values())) if steps else None
+        estimated_finish = api_jobs.training_eta(record["flow_run_ids"][-1]) if status == "running" else None
         hyper = resolved_hyperparameters(TrainingConfig.model_validate(record["parameters"]["config"]["training"]))
         return {
             "object": "fine_tuning.job", "id": record["id"], "created_at": record["created_at"],
             "model": record["model"], "organization_id": api_jobs.ORGANIZATION, "status": status, "error": error,
             "fine_tuned_model": fine_tuned, "finished_at": finished_at, "trained_tokens": trained_tokens,
-            "estimated_finish": None, "training_file": record["training_file"],
+            "estimated_finish": estimated_finish, "training_file": record["training_file"],
             "validation_file": record["validation_file"], "result_files": [], "seed": record["seed"],
             "hyperparameters": {key: hyper[key] for key in ("n_epochs", "batch_size", "learning_rate_multiplier")},
             "method": record["method"], "metadata": record["metadata"], "integrations": record["integrations"],
@@ -200,6 +207,8 @@ class FineTuningApi:
                 status, _ = api_jobs.job_status(record, api_jobs.flow_runs(record["flow_run_ids"][-1:]))
                 raise ApiError(400, f"job {job_id} is {status}, not paused", param="id", code="invalid_state")
             self._wait_until_final(record["flow_run_ids"][-1])
+            if api_jobs.release_model_lock(record):
+                api_jobs.add_event(record, "Released the registered model's lock that the paused run held")
             record["flow_run_ids"].append(api_jobs.start_flow_run(record))
             record["paused"] = False
             api_jobs.add_event(record, f"Job resumed (Prefect flow run {record['flow_run_ids'][-1]})")
@@ -221,28 +230,15 @@ class FineTuningApi:
 
     def events(self, job_id: str) -> list[dict[str, Any]]:
         """The job's events, newest first."""
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
         record = self.jobs.get(job_id)
         events = list(record["events"])
         if record["flow_run_ids"]:
-            import uuid
-
-            with get_client(sync_client=True) as client:
-                log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(i) for i in record["flow_run_ids"]]))
-                offset = 0
-                while True:
-                    logs = client.read_logs(log_filter=log_filter, limit=200, offset=offset)
-                    for log in logs:
-                        level = "error" if log.level >= 40 else "warn" if log.level >= 30 else "info"
-                        events.append({"object": "fine_tuning.job.event", "id": f"ftevent-{log.id.hex[:24]}",
-                                       "created_at": int(log.timestamp.timestamp()), "level": level,
-                                       "message": log.message, "data": {"flow_run_id": str(log.flow_run_id)},
-                                       "type": "message"})
-                    if len(logs) < 200:
-                        break
-                    offset += len(logs)
+            for log in api_jobs.flow_run_logs(record["flow_run_ids"]):
+                level = "error" if log.level >= 40 else "warn" if log.level >= 30 else "info"
+                events.append({"object": "fine_tuning.job.event", "id": f"ftevent-{log.id.hex[:24]}",
+                               "created_at": int(log.timestamp.timestamp()), "level": level,
+                               "message": log.message, "data": {"flow_run_id": str(log.flow_run_id)},
+                               "type": "message"})
             client_, parents = api_jobs.pipeline_runs(record)
             steps = api_jobs.step_metrics(client_, api_jobs.training_runs(client_, parents))
             for step, entry in steps.items():

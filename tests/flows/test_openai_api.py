@@ -167,6 +167,7 @@ def _wait(what: str, check, timeout: float, process: subprocess.Popen | None = N
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(1200)  # three pipeline runs (one paused, one cancelled) on a shared 2-core machine
 def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoints, taught_model):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH
@@ -205,8 +206,11 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
                                                                                   "wandb": {"project": "x"}}])
         assert job.status == "validating_files" and job.object == "fine_tuning.job"
 
-        # Pause once the pipeline runs; resume: a new run of the deployment.
-        _wait("running", lambda: client.fine_tuning.jobs.retrieve(job.id).status == "running", 300, server, 1)
+        # Pause while it trains (holding the registered model's lock); resume: a new run of the
+        # deployment, from the cached stages and the training's last checkpoint.
+        _wait("training", lambda: any(e.message.startswith("training: ")
+                                      for e in client.fine_tuning.jobs.list_events(job.id, limit=100)), 300, server, 1)
+        assert client.fine_tuning.jobs.retrieve(job.id).status == "running"
         paused = client.fine_tuning.jobs.pause(job.id)
         assert paused.status == "paused"
         first_run = paused.prefect_flow_run_ids[-1]
@@ -215,6 +219,7 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
             assert prefect.read_flow_run(first_run).state.is_cancelled()
         resumed = client.fine_tuning.jobs.resume(job.id)
         assert resumed.status in ("queued", "running") and len(resumed.prefect_flow_run_ids) == 2
+        assert any("Released the registered model's lock" in e.message for e in client.fine_tuning.jobs.list_events(job.id))
 
         # A second job, cancelled: cancelled in the API and in Prefect.
         other = client.fine_tuning.jobs.create(  # without a validation_file: the server config's
@@ -277,7 +282,8 @@ def test_api_starts_a_prefect_server_when_none_is_named(world, endpoints, taught
     import httpx
 
     config_file = tmp_path / "api.yaml"
-    config_file.write_text(yaml.safe_dump(micro(world, endpoints, taught_model).model_dump(mode="json")))
+    config = micro(world, endpoints, taught_model, work_dir=str(tmp_path / "runs"))  # no jobs of other tests
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     port, prefect_port = _free_port(), _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # the started server's database
