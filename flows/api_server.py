@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -575,6 +576,9 @@ def serve_api(config_path: Path, overrides: list[str], config: PipelineConfig, *
     # The store's schema is made here, once: made by this server's first read while a job's
     # flow run makes it too, SQLite migrations collide.
     mlflow_client(tracking_uri)
+    # uvicorn re-raises SIGTERM after its shutdown with the handler it found: make that one
+    # an exit, so the `finally` below still stops the children.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     children = []
     try:
         url = PREFECT_API_URL.value()
