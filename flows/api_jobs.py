@@ -13,8 +13,9 @@ uploaded files' stored paths. Its life, in OpenAI's statuses:
   deployment, visible and cancellable in the Prefect UI.
 - `paused`: a paused job's flow run is cancelled (its message says paused); `resume`
   starts a new run of the deployment with the same parameters: the stages that finished
-  are served from the stage cache and training continues from its last checkpoint.
-  OpenAI's SDK lists no `paused` status; its models keep the string as sent.
+  are served from the stage cache and training continues from its last checkpoint (the
+  registered model's lock that the killed run held is freed first). Only a queued or
+  running job pauses. OpenAI's SDK lists no `paused` status; its models keep the string.
 
 Events are the job's own (created, validated, ignored fields, paused, ...), the Prefect
 logs of its flow runs (the stages' progress lines) and one `metrics` event per training
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.openai_job import config_from_openai_job
-from trainer.config import PipelineConfig, missing_env_vars
+from trainer.config import PipelineConfig, merge_overrides, missing_env_vars
 from trainer.errors import AgentRFTError, ConfigError
 
 ORGANIZATION = "agentrft"
@@ -134,6 +135,11 @@ def job_config(body: dict[str, Any], files: Any, base: dict[str, Any]) -> tuple[
                      "are used")
     if body.get("integrations"):
         notes.append("integrations are ignored: metrics are recorded in this server's MLflow store")
+    if "learning_rate_multiplier" in hyper and base["training"].get("learning_rate") is not None:
+        # An absolute learning rate overrides a multiplier: the job's choice would do nothing.
+        notes.append("the job's learning_rate_multiplier replaces the server config's training.learning_rate "
+                     f"({base['training']['learning_rate']})")
+        base = merge_overrides(base, {"training": {"learning_rate": None}})
     try:
         config, mapped_notes = config_from_openai_job(job, source="job", base=base)
     except ConfigError as exc:

@@ -185,8 +185,9 @@ class FineTuningApi:
         with self.jobs.lock:
             record = self.jobs.get(job_id)
             status, _ = api_jobs.job_status(record, api_jobs.flow_runs(record["flow_run_ids"][-1:]))
-            if status not in ("validating_files", "queued", "running") and not (status == "paused" and not pause):
-                raise ApiError(400, f"job {job_id} is {status}; only a validating, queued or running job can be "
+            allowed = ("queued", "running") if pause else ("validating_files", "queued", "running", "paused")
+            if status not in allowed:
+                raise ApiError(400, f"job {job_id} is {status}; only a {', '.join(allowed)} job can be "
                                + ("paused" if pause else "cancelled"), param="id", code="invalid_state")
             verb = "paused" if pause else "cancelled"
             if record["flow_run_ids"]:

@@ -141,6 +141,10 @@ def test_rft_content_checks_fail_the_job_in_validating_files_naming_file_and_lin
     assert failed.error.code == "invalid_training_file"
     assert f"{train.id} (train.jsonl) line 2: messages_well_formed" in failed.error.message
     assert failed.prefect_flow_run_ids == []  # no pipeline run was started
+    for action in (client.fine_tuning.jobs.pause, client.fine_tuning.jobs.resume, client.fine_tuning.jobs.cancel):
+        with pytest.raises(openai.BadRequestError) as refused:
+            action(job.id)
+        assert _error(refused.value)["code"] == "invalid_state"
     events = [e.message for e in client.fine_tuning.jobs.list_events(job.id)]
     assert any(m.startswith("The job failed: training_file") for m in events) and failed.finished_at
 
@@ -173,9 +177,10 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
     from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH
 
     config_file = world / "api.yaml"
-    # The job sets the learning rate (as a multiplier): small enough that three steps keep the
-    # taught model's habit of listing a folder first, so chat can show a tool call.
-    server_config = micro(world, endpoints, taught_model, training={"learning_rate": None})
+    # The job sets the learning rate (a multiplier, replacing the config's absolute rate): small
+    # enough that three steps keep the taught model's habit of listing a folder first, so chat
+    # can show a tool call.
+    server_config = micro(world, endpoints, taught_model)
     config_file.write_text(yaml.safe_dump(server_config.model_dump(mode="json")))
     port = _free_port()
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "AGENTRFT_TEST_KEY": KEY,
@@ -249,6 +254,7 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
         assert 0 <= step3.data["train/reward_mean"] <= 1 and "eval/score_mean" in step3.data
         messages = [e.message for e in events]
         assert any("reasoning_effort" in m for m in messages) and any("integrations" in m for m in messages)
+        assert any("learning_rate_multiplier replaces" in m for m in messages)
         assert any(m.startswith("rft_training: done") for m in messages) and any("paused" in m for m in messages)
 
         checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
