@@ -23,7 +23,7 @@ the step's time grows with the group size and the batch.
     Qwen3 with a real vocabulary (32,768 tokens) on rollouts of 1,536 tokens with a
     256-token prompt (a completion span of two 1,024-position chunks), where the
     [batch, length, vocabulary] logits dominate.
-(3) Scaling. Whole training steps (`GRPOTrainer._train_step`: rollouts of the taught model
+(3) Scaling. Whole training steps (`GRPOTrainer._sample` and `_learn`: rollouts of the taught model
     through the real tool server, grading, the update) as the group size doubles (4, 8,
     16 at 2 items) and as the items per step double (1, 2, 4 at a group of 4). Every point
     has its own trainer, warmed up with one step; then `--scaling-rounds` rounds (at least
@@ -306,13 +306,13 @@ def scaling(args, world: TaughtWorld, tmp: Path) -> dict[str, Any]:
                 trainer.setup()
                 trainers[(group, items)] = trainer
                 steps_done[(group, items)] += 1
-                trainer._train_step(1)  # warm-up
+                trainer._learn(trainer._sample(1, 0))  # warm-up
             for round_ in range(args.scaling_rounds):
                 for point in points:
                     step_s = []
                     for _ in range(args.scaling_steps):
                         steps_done[point] += 1
-                        m = trainers[point]._train_step(steps_done[point])
+                        m = trainers[point]._learn(trainers[point]._sample(steps_done[point], steps_done[point] - 1))
                         step_s.append(m["timing/sampling_s"] + m["timing/training_s"])
                         calls[point].append(m["train/tool_calls_mean"])
                     seconds[point].append(step_s)

@@ -20,8 +20,9 @@ tool_server 600 (with a 30 s soak through the tool client; 1800 on a machine's f
 which writes and embeds the 100,000-page corpus and caches it), engine 240, rollout 300,
 trl 600, training 540, pipeline 3 x 200 (a failed run is not repeated), vllm 840 (only
 where .venv-vllm exists; 3 steps, 16 rollouts per item), memory 600 (one update at
-Qwen's vocabulary before and after, about 2 minutes and 14 GiB at the peak of "before"):
-72 minutes at worst, 27 to 37 typically.
+Qwen's vocabulary before and after, about 2 minutes and 14 GiB at the peak of "before"),
+staleness 300 (both arms, 3 seeds, about a minute), staleness_vllm 600 (the same on one
+vLLM server, about 3 minutes): 87 minutes at worst, 31 to 41 typically.
 
     python benchmarks/run_all.py [--json benchmarks/results.json] [--only trl training] [--logs DIR]
 
@@ -65,6 +66,8 @@ BENCHMARKS: dict[str, tuple[str, list[str], int, int]] = {
     "pipeline": ("bench_pipeline", [], 200, 3),
     "vllm": ("bench_vllm", ["--k", "16", "--steps", "3"], 840, 1),
     "memory": ("bench_memory", [], 600, 1),
+    "staleness": ("bench_staleness", ["--steps", "6", "--seeds", "3"], 300, 1),
+    "staleness_vllm": ("bench_staleness", ["--backend", "vllm", "--steps", "6", "--seeds", "3"], 600, 1),
 }
 
 
@@ -297,6 +300,26 @@ def vllm_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def staleness_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    r = results[0]
+    sync = r["runs"]["0"]  # the synchronous arm (JSON keys are strings)
+    where = "embedded engine (a frozen copy samples in a thread)" if r["backend"] == "transformers" else \
+        "one vLLM server (CPU)"
+    setting = (f"{r['steps']} steps of {r['batch_size']} items x {r['group_size']}, ppo_epochs {r['ppo_epochs']}, "
+               f"{r['latency_ms']:g} ms tools, {where}, seeds {r['seeds']}")
+    parts = (f"sync arm: sampling {statistics.median(x['sampling_s'] for x in sync):.2f} s + update "
+             f"{statistics.median(x['training_s'] for x in sync):.2f} s a step (medians), a perfect overlap of which "
+             f"gives {', '.join(f'{b:.2f}' for b in r['overlap_bounds'])}x")
+    return [
+        ranged(f"steps/s, max_staleness 1 / 0, {r['latency_ms']:g} ms tools, {r['backend']}", spread_of(r["speedups"]),
+               1.5, f"per seed {', '.join(f'{x:.2f}' for x in r['speedups'])}; {parts}; {setting}"),
+        row(f"validation score after {r['steps']} steps, max_staleness 1 vs 0, {r['backend']}",
+            f"{r['score_off_policy_mean']:.3f} vs {r['score_sync_mean']:.3f}", "report", None,
+            f"per seed 1: {', '.join(f'{x:.2f}' for x in r['score_off_policy'])}; 0: "
+            f"{', '.join(f'{x:.2f}' for x in r['score_sync'])}; {r['eval_k']} samples per validation item"),
+    ]
+
+
 ROWS: dict[str, tuple[Callable[[list[dict[str, Any]]], list[dict[str, Any]]], list[str]]] = {
     # name -> (rows from its runs' JSON, the figures it owns: named in the rows when it fails)
     "rollout": (rollout_rows, ["rollout throughput, 100 ms tool latency / 0 ms", "rollouts/s vs sequential loop",
@@ -309,6 +332,8 @@ ROWS: dict[str, tuple[Callable[[list[dict[str, Any]]], list[dict[str, Any]]], li
     "tool_server": (tool_server_rows, ["search tool p95, 2,800 and 100,000 pages", "tool client soak"]),
     "vllm": (vllm_rows, ["vLLM backend vs transformers engine"]),
     "memory": (memory_rows, ["memory of one update at vocabulary 151,936"]),
+    "staleness": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, embedded engine"]),
+    "staleness_vllm": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, vLLM"]),
 }
 
 
@@ -355,9 +380,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets whole lines
     names = args.only or list(BENCHMARKS)
-    if "vllm" in names and not VLLM_PYTHON.is_file():
-        console.print(f"skipping vllm: {VLLM_PYTHON} is missing (make vllm)")
-        names.remove("vllm")
+    for name in [n for n in ("vllm", "staleness_vllm") if n in names]:
+        if not VLLM_PYTHON.is_file():
+            console.print(f"skipping {name}: {VLLM_PYTHON} is missing (make vllm)")
+            names.remove(name)
 
     started_at = datetime.datetime.now(datetime.UTC)
     started = time.perf_counter()

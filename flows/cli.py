@@ -122,6 +122,21 @@ def run(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None, refres
 
 
 @app.command()
+def monitor(config: ConfigOption, set_: SetOption = None,
+            version: Annotated[str | None, typer.Option(help="Registry version watched (default: champion).")] = None
+            ) -> None:
+    """Score the served model's latest traffic windows and check them for drift (monitor.*)."""
+    from flows.monitor import monitor_model
+    from flows.pipeline import outcome_of
+
+    pipeline_config = _config(config, set_)
+    result = outcome_of(monitor_model(pipeline_config, version, return_state=True), "the monitor")
+    print(json.dumps({"monitor": "passed", "version": result["version"], "mlflow_run_id": result["run_id"],
+                      "windows": [{k: v for k, v in w.items() if k != "failures"} for w in result["windows"]]},
+                     indent=2))
+
+
+@app.command()
 def demo(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None, refresh: RefreshOption = None) -> None:
     """The whole pipeline on the embedded FinQA-style default (what `make demo` runs)."""
     from envs.finqa.demo import run_demo
@@ -265,14 +280,20 @@ def serve_model(model: Annotated[str, typer.Option(help="Local path, hub id or m
                                                               "template (as model.chat_format).")] = "auto",
                 enable_thinking: Annotated[bool | None, typer.Option(
                     "--enable-thinking/--disable-thinking", help="qwen3: think before answering (default: "
-                    "the template's).")] = None) -> None:
+                    "the template's).")] = None,
+                trace_to: Annotated[str | None, typer.Option(
+                    help="Write every answered request as an MLflow trace to this store (what `agentrft monitor` "
+                    "reads).")] = None,
+                trace_experiment: Annotated[str, typer.Option(help="The MLflow experiment of those traces.")] =
+                "agentrft-served") -> None:
     """Serve a model with an OpenAI-compatible chat API (/v1/chat/completions, tool calls)."""
     from tasks.tracking import resolve_tracking_uri
     from trainer.model_server import serve_model as serve_chat
 
     serve_chat(model, host=host, port=port, device=device, max_len=max_len, api_key=api_key,
                tracking_uri=resolve_tracking_uri(tracking_uri), chat_format=chat_format,
-               enable_thinking=enable_thinking)
+               enable_thinking=enable_thinking, trace_to=resolve_tracking_uri(trace_to) if trace_to else None,
+               trace_experiment=trace_experiment)
 
 
 # --- configs, expectations, graders ---------------------------------------------------------

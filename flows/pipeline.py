@@ -34,6 +34,7 @@ from prefect.states import Failed
 from tasks.baseline import baseline
 from tasks.data_version import data_version
 from tasks.evaluate import regression_eval
+from tasks.events import emit_promoted
 from tasks.locks import model_lock
 from tasks.optimize import prompt_optimization
 from tasks.promote import (
@@ -108,6 +109,8 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict
         current = stage
         def call(refresh: bool) -> tuple[Any, bool]:
             state = task.with_options(refresh_cache=refresh)(*args, ctx=ctx, **kwargs, return_state=True)
+            if state.is_failed() and state.name == "Stopped":  # a verdict (on the data), not a crash
+                raise PipelineStopped(state.message)
             return state.result(), state.name == "Cached"
 
         result, cached = call(STAGES.index(stage) >= first_refreshed)
@@ -222,8 +225,11 @@ def promote_model(
     if action == "promote":
         previous = set_champion(tracking_uri, name, target, reason="promoted by hand (promote-model flow)")
         result = {"action": action, "champion": target, "previous_champion": previous}
+        if previous != target:
+            emit_promoted(name, target, previous=previous, action=action, tracking_uri=tracking_uri)
     else:
         before, after = rollback_champion(tracking_uri, name, target if version_or_alias.isdigit() else None)
         result = {"action": action, "champion": after, "rolled_back_from": before}
+        emit_promoted(name, after, previous=before, action=action, tracking_uri=tracking_uri)
     logger.info("%s: %s", name, result)
     return result

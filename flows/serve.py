@@ -2,7 +2,9 @@
 
 - `serve_deployments(config)`: the pipeline as a deployment with the config's cron
   (default nightly) and its parameters as defaults, plus the hand-driven promote/rollback
-  flow, served from this process (`agentrft serve`). Both carry typed parameters, so the
+  flow and the monitor (flows/monitor.py: on `monitor.cron`, and triggered by every
+  `agentrft.model.promoted` event of the job's model for the promoted version), served
+  from this process (`agentrft serve`). All carry typed parameters, so the
   Prefect UI's "Run > Custom run" shows the config as a form.
 - `deploy_to_work_pool(config, pool)`: the same deployments registered on a Prefect work
   pool (`agentrft deploy --work-pool NAME`), for workers on other machines; the flow code is
@@ -14,6 +16,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +32,7 @@ from trainer.config import PipelineConfig
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE_DEPLOYMENT = "scheduled"
 PROMOTE_DEPLOYMENT = "by-hand"
+MONITOR_DEPLOYMENT = "monitor"
 
 
 def _schedules(config: PipelineConfig) -> list[Any]:
@@ -41,8 +47,27 @@ def _parameters(config: PipelineConfig) -> dict[str, Any]:
     return params
 
 
+def promotion_trigger(config: PipelineConfig) -> Any:
+    """Run the monitor for the version just promoted: on `agentrft.model.promoted` of the
+    job's registered model, with that version as the `version` parameter."""
+    from prefect.events import DeploymentEventTrigger
+
+    from tasks.events import EVENT, resource_id
+
+    return DeploymentEventTrigger(
+        name=f"monitor {config.registered_model} after promotion",
+        expect={EVENT}, match={"prefect.resource.id": resource_id(config.registered_model)},
+        parameters={"version": "{{ event.resource['agentrft.model.version'] }}"},
+    )
+
+
 def build_deployments(config: PipelineConfig, *, schedule: bool = True) -> list[Any]:
-    """The pipeline deployment (cron from the config) and the promote/rollback deployment."""
+    """The pipeline deployment (cron from the config), the promote/rollback deployment and
+    the monitor (its own cron, and a run for every new champion)."""
+    from prefect.schedules import Cron
+
+    from flows.monitor import monitor_model
+
     pipeline = agent_rft_pipeline.to_deployment(
         name=PIPELINE_DEPLOYMENT,
         parameters=_parameters(config),
@@ -57,46 +82,67 @@ def build_deployments(config: PipelineConfig, *, schedule: bool = True) -> list[
         description="Promote a registered model version to champion, or roll champion back.",
         tags=["agent-rft"],
     )
-    return [pipeline, promote]
+    monitor = monitor_model.to_deployment(
+        name=MONITOR_DEPLOYMENT,
+        parameters={"config": _parameters(config)["config"]},
+        schedules=[Cron(config.monitor.cron, timezone=config.schedule.timezone)] if schedule else None,
+        triggers=[promotion_trigger(config)],
+        description=f"Live traffic of {config.registered_model}'s champion against the suite and the grader; "
+        f"cron {config.monitor.cron}, and after every promotion.",
+        tags=["agent-rft"],
+    )
+    return [pipeline, promote, monitor]
 
 
 def serve_deployments(config: PipelineConfig) -> None:
-    """Serve both deployments from this process until interrupted."""
+    """Serve the three deployments from this process until interrupted."""
     from prefect import serve
 
     serve(*build_deployments(config))
 
 
 def deploy_to_work_pool(config: PipelineConfig, pool: str, *, schedule: bool = True) -> list[str]:
-    """Register both deployments on `pool`; returns their ids."""
+    """Register the three deployments on `pool`; returns their ids."""
     from prefect import flow
+    from prefect.schedules import Cron
 
     ids = []
-    for entrypoint, name, params, schedules in (
+    for entrypoint, name, params, schedules, triggers in (
         ("flows/pipeline.py:agent_rft_pipeline", PIPELINE_DEPLOYMENT, _parameters(config),
-         _schedules(config) if schedule else None),
+         _schedules(config) if schedule else None, None),
         ("flows/pipeline.py:promote_model", PROMOTE_DEPLOYMENT,
          {"name": config.registered_model, "tracking_uri": resolve_tracking_uri(config.mlflow.tracking_uri)},
-         None),
+         None, None),
+        ("flows/monitor.py:monitor_model", MONITOR_DEPLOYMENT, {"config": _parameters(config)["config"]},
+         [Cron(config.monitor.cron, timezone=config.schedule.timezone)] if schedule else None,
+         [promotion_trigger(config)]),
     ):
         remote = flow.from_source(source=str(ROOT), entrypoint=entrypoint)
         ids.append(str(remote.deploy(name=name, work_pool_name=pool, parameters=params, schedules=schedules,
-                                     tags=["agent-rft"], build=False, push=False, print_next_steps=False)))
+                                     triggers=triggers, tags=["agent-rft"], build=False, push=False,
+                                     print_next_steps=False)))
     return ids
 
 
 def start_uis(tracking_uri: str, *, prefect_port: int = 4200, mlflow_port: int = 5000) -> None:
-    """Start the Prefect server and the MLflow UI on loopback; wait until interrupted."""
+    """Start the Prefect server and the MLflow UI on loopback; wait until interrupted (Ctrl-C,
+    SIGTERM or SIGHUP), then stop both with every process they started, freeing their ports."""
+    def stop(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+    # Each server in a session of its own: its workers (uvicorn, gunicorn) go with it.
     processes = [
         subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                          "--port", str(prefect_port)]),
+                          "--port", str(prefect_port)], start_new_session=True),
         subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
                           resolve_tracking_uri(tracking_uri), "--host", "127.0.0.1", "--port", str(mlflow_port),
-                          "--workers", "1"]),
+                          "--workers", "1"], start_new_session=True),
     ]
     print(f"Prefect UI: http://127.0.0.1:{prefect_port}  (point runs at it: "
-          f"export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api)")
-    print(f"MLflow UI:  http://127.0.0.1:{mlflow_port}")
+          f"export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api)", flush=True)
+    print(f"MLflow UI:  http://127.0.0.1:{mlflow_port}", flush=True)
     try:
         while all(p.poll() is None for p in processes):
             time.sleep(1)
@@ -104,6 +150,16 @@ def start_uis(tracking_uri: str, *, prefect_port: int = 4200, mlflow_port: int =
         pass
     finally:
         for p in processes:
-            p.terminate()
+            _signal_group(p, signal.SIGTERM)
         for p in processes:
-            p.wait(timeout=30)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+            _signal_group(p, signal.SIGKILL)  # workers that outlived their parent
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signum)

@@ -18,7 +18,7 @@ from prefect import get_run_logger, task
 from tasks.cache import stage_cache
 from tasks.results import BaselineResult, Gate
 from tasks.rollout_eval import evaluate_model, keep_rollouts
-from tasks.tracking import RunContext, log_json, log_metrics, publish_summary, stage_run
+from tasks.tracking import RunContext, link_split, log_json, log_metrics, publish_summary, stage_run
 from trainer.config import BaselineConfig
 from trainer.data import split_items
 from trainer.evaluate import write_outputs
@@ -53,6 +53,7 @@ def baseline(model_path: str, *, model: Any, data: Any, tools: Any, grader: dict
     sections = {"model": model, "data": data, "tools": tools, "grader": grader, "rollout": rollout,
                 "penalties": penalties, "baseline": gates}
     with stage_run(ctx, STAGE, sections) as (client, run_id):
+        link_split(ctx, run_id, data, "validation")
         items = split_items(data, "validation", gates.max_items)
         summary, records = evaluate_model(
             model_path, items, tracking_uri=ctx.tracking_uri, model_section=model, tools=tools, grader=grader, rollout=rollout,
@@ -60,7 +61,7 @@ def baseline(model_path: str, *, model: Any, data: Any, tools: Any, grader: dict
         )
         for path in write_outputs(summary, records, Path(work_dir) / STAGE / run_id).values():
             client.log_artifact(run_id, str(path))
-        keep_rollouts(ctx, run_id, records, kind="baseline", n=traces)
+        keep_rollouts(ctx, run_id, records, kind="baseline", n=traces, items=items)
         log_metrics(client, run_id, summary.metrics)
         result = BaselineResult(run_id=run_id, model=model_path, metrics=summary.metrics,
                                 gates=baseline_gates(summary.metrics, gates))

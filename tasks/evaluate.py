@@ -27,7 +27,15 @@ from prefect import get_run_logger, task
 from tasks.cache import stage_cache
 from tasks.results import Candidate, Gate, RegressionResult
 from tasks.rollout_eval import apply_variant, evaluate_model, keep_rollouts
-from tasks.tracking import RunContext, log_json, log_metrics, log_text, publish_summary, stage_run
+from tasks.tracking import (
+    RunContext,
+    link_split,
+    log_json,
+    log_metrics,
+    log_text,
+    publish_summary,
+    stage_run,
+)
 from trainer.config import PromotionConfig
 from trainer.data import split_items
 from trainer.evaluate import EvalSummary, write_outputs
@@ -148,6 +156,7 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
     sections = {"model": model, "data": data, "tools": tools, "grader": grader, "rollout": rollout,
                 "penalties": penalties, "promotion": promotion}
     with stage_run(ctx, STAGE, sections) as (client, run_id):
+        link_split(ctx, run_id, data, "test")
         out = Path(work_dir) / STAGE / run_id
         runs = {"candidate": candidate.path if Path(candidate.path).exists() else candidate.model_uri,
                 "baseline": base_model}
@@ -164,7 +173,7 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
             log_metrics(client, run_id, summary.metrics, model_id=candidate.model_id if name == "candidate" else None)
             for artifact in write_outputs(summary, records, out / name).values():
                 client.log_artifact(run_id, str(artifact), name)
-            keep_rollouts(ctx, run_id, records, kind=name, n=traces)
+            keep_rollouts(ctx, run_id, records, kind=name, n=traces, items=items)
         bootstrap = {"samples": p.bootstrap_samples, "seed": seed}
         vs_baseline = compare((evaluated["baseline"][0], "baseline"), (evaluated["candidate"][0], "candidate"),
                               **bootstrap)

@@ -17,7 +17,15 @@ from prefect import get_run_logger, task
 from tasks.cache import stage_cache
 from tasks.results import PromptResult
 from tasks.rollout_eval import apply_variant, evaluate_model
-from tasks.tracking import RunContext, log_json, log_metrics, log_text, publish_summary, stage_run
+from tasks.tracking import (
+    RunContext,
+    link_split,
+    log_json,
+    log_metrics,
+    log_text,
+    publish_summary,
+    stage_run,
+)
 from trainer.config import PromptOptimizationConfig
 from trainer.data import split_items
 
@@ -47,6 +55,7 @@ def prompt_optimization(model_path: str, *, model: Any, data: Any, tools: Any, g
     sections = {"model": model, "data": data, "tools": tools, "grader": grader, "rollout": rollout,
                 "penalties": penalties, "prompt_optimization": options}
     with stage_run(ctx, STAGE, sections) as (client, run_id):
+        link_split(ctx, run_id, data, "validation")
         items = split_items(data, "validation", options.max_items)
         candidates: list[tuple[str, dict[str, Any] | None]] = [("current", None)]
         candidates += [(v.name, v.model_dump()) for v in options.variants]

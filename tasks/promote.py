@@ -29,6 +29,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.transactions import get_transaction, transaction
 
 from tasks.cache import stage_cache
+from tasks.events import emit_promoted
 from tasks.results import Candidate, PromotionResult, RegressionResult
 from tasks.tracking import RunContext, log_json, publish_summary, stage_run
 from trainer.errors import ConfigError
@@ -260,6 +261,9 @@ def promotion(candidate: Candidate, evaluation: RegressionResult, *, registered_
             ctx.tracking_uri, name, candidate.model_uri, run_id, tags, passed=evaluation.passed,
             reasons=evaluation.reasons,
         )
+        if evaluation.passed:
+            emit_promoted(name, version, previous=previous, action="promote", tracking_uri=ctx.tracking_uri,
+                          gains={"score": gain})
         client.set_tag(run_id, "decision", decision[:5000])
         client.set_tag(run_id, "registered_version", version)
         result = PromotionResult(run_id=run_id, registered_model=name, version=version, champion=evaluation.passed,

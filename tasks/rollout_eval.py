@@ -94,10 +94,13 @@ def sample_rollouts(records: list[RolloutRecord], n: int = 20) -> list[RolloutRe
     return chosen[:n]
 
 
-def keep_rollouts(ctx: RunContext, run_id: str, records: list[RolloutRecord], *, kind: str, n: int) -> None:
-    """Sample rollouts as MLflow traces of the stage's run."""
+def keep_rollouts(ctx: RunContext, run_id: str, records: list[RolloutRecord], *, kind: str, n: int,
+                  items: list[dict[str, Any]] | None = None) -> None:
+    """Sample rollouts as MLflow traces of the stage's run, with their grades as assessments
+    and their items' reference fields as the expectation `item` (tasks/scoring.py)."""
     from trainer.traces import log_rollout_traces
 
     if n:
+        by_id = {str(item.get("id")): item for item in items or []}
         log_rollout_traces(sample_rollouts(records, n), experiment_id=ctx.experiment_id, run_id=run_id, step=0,
-                           kind=kind, tracking_uri=ctx.tracking_uri)
+                           kind=kind, tracking_uri=ctx.tracking_uri, items=by_id)

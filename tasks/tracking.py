@@ -225,6 +225,42 @@ def log_datasets(ctx: RunContext, run_id: str, files: dict[str, Path]) -> None:
             mlflow.log_input(dataset, context=context)
 
 
+def split_dataset(ctx: RunContext, data: Any, split: str) -> Any:
+    """The MLflow evaluation dataset of `split` (validation or test) at this data version,
+    named `<split>@<DVC md5[:12]>` in the pipeline's experiment: created once, its records
+    the split's items as the stages read them (`inputs`: the messages; `expectations`: the
+    expectation `item`, the reference fields a grader reads, as tasks/scoring.py takes it),
+    then found again by every run of that data version."""
+    from mlflow.genai.datasets import create_dataset, search_datasets
+
+    from trainer.data import split_items
+    from trainer.traces import item_fields
+
+    use_mlflow_store(ctx.tracking_uri)
+    name = f"{split}@{ctx.data_md5[:12]}"
+    found = search_datasets(experiment_ids=[ctx.experiment_id], filter_string=f"name = '{name}'")
+    if found:
+        return found[0]
+    items = split_items(data, split)
+    source = data.test_file if split == "test" and data.test_file else data.validation_file
+    dataset = create_dataset(name=name, experiment_id=ctx.experiment_id, tags={
+        "split": split, "dvc_md5": ctx.data_md5, "file": str(source), "items": str(len(items)),
+        "selection": "the test file" if split != "test" or data.test_file else
+                     "the seeded half of the validation file (no test_file)"})
+    dataset.merge_records([{"inputs": {"messages": item.get("messages", [])},
+                            "expectations": {"item": item_fields(item)}} for item in items])
+    return dataset
+
+
+def link_split(ctx: RunContext, run_id: str, data: Any, split: str) -> None:
+    """Record on `run_id` that it read `split`: the split's evaluation dataset as an input."""
+    import mlflow
+
+    dataset = split_dataset(ctx, data, split)
+    with mlflow.start_run(run_id=run_id):
+        mlflow.log_input(dataset, context=split)
+
+
 @contextmanager
 def stage_run(ctx: RunContext, stage: str, sections: dict[str, Any]) -> Iterator[tuple[Any, str]]:
     """A nested run for one stage, with the config sections it reads as params: tagged;

@@ -33,6 +33,7 @@ from tasks.results import Candidate, TrainingResult
 from tasks.rollout_eval import apply_variant
 from tasks.tracking import (
     RunContext,
+    link_split,
     log_files,
     log_metrics,
     log_transformers_model,
@@ -146,6 +147,7 @@ def rft_training(model_path: str, *, model: Any, data: Any, tools: Any, grader: 
     sections = {"model": model, "data": data, "tools": tools, "grader": grader, "rollout": rollout,
                 "penalties": penalties, "training": training}
     with stage_run(ctx, STAGE, sections) as (client, run_id):
+        link_split(ctx, run_id, data, "validation")  # its evaluations and checkpoint ranking
         out = _output_dir(Path(work_dir), effective, model_path)
         out.mkdir(parents=True, exist_ok=True)
         config_path = out / "config.yaml"

@@ -34,6 +34,7 @@ from tasks.expectations import (
 from tasks.results import ValidationResult
 from tasks.tracking import (
     RunContext,
+    link_split,
     log_datasets,
     log_json,
     log_metrics,
@@ -191,9 +192,20 @@ def validate_datasets(data: Any, grader: dict[str, Any]) -> tuple[StageReport, P
 
 
 @task(name=STAGE, persist_result=True, cache_policy=stage_cache(__name__))
-def validate_data(data: Any, grader: dict[str, Any], ctx: RunContext) -> ValidationResult:
-    """The suite's Checkpoint on every split, then leakage, gradability and shape checks;
-    fails with the report."""
+def validate_data(data: Any, grader: dict[str, Any], ctx: RunContext) -> ValidationResult | Any:
+    """The suite's Checkpoint on every split, then leakage, gradability and shape checks.
+    Data that fails them (or cannot be read) is a verdict, not a crash: the task ends in a
+    failed state named "Stopped" whose message is the report's line (no traceback, and
+    nothing cached), which the pipeline ends on as it does on a gate."""
+    from prefect.states import Failed
+
+    try:
+        return _validate_data(data, grader, ctx)
+    except DataError as exc:
+        return Failed(name="Stopped", message=str(exc))
+
+
+def _validate_data(data: Any, grader: dict[str, Any], ctx: RunContext) -> ValidationResult:
     with stage_run(ctx, STAGE, {"data": data, "grader": grader}) as (client, run_id):
         report, docs = validate_datasets(data, grader)
         files = {"train": Path(data.train_file), "validation": Path(data.validation_file)}
@@ -215,5 +227,7 @@ def validate_data(data: Any, grader: dict[str, Any], ctx: RunContext) -> Validat
                 f"`{first['column']}` of {first['dataset']}: observed {short(first['observed'])}, expected "
                 f"{short(first['expected'])}. Full report: validation_report.md in MLflow run {run_id}"
             )
+    for split in ("validation", "test"):  # the splits the stages read, as MLflow evaluation datasets
+        link_split(ctx, run_id, data, split)
     source = "test file" if data.test_file else "seeded half of the validation file (no test_file)"
     return ValidationResult(run_id=run_id, metrics=report.metrics(), test_split=source)

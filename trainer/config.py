@@ -358,7 +358,9 @@ class TrainingConfig(Section):
         None, description="An accelerate config file for where the processes run (machines, GPU ids, ports); "
         "its distributed_type, if any, must not contradict training.distributed.")
     max_staleness: Literal[0, 1] = Field(
-        0, description="1: generate step t+1's rollouts while step t trains (vLLM backend), one step off-policy."
+        0, description="1: sample step t+1's rollouts while step t trains (one step off-policy: the weights of "
+        "step t - 1; tis_cap weighs each token for the lag). On vLLM the servers keep those weights until both "
+        "are done; the embedded engine samples with a frozen copy of the model (one more copy in memory)."
     )
     checkpoint_interval: int = Field(10, ge=1, description="Steps between checkpoints.")
     keep_best_checkpoints: int = Field(3, ge=1, description="Best checkpoints kept, ranked by metric_for_best_model.")
@@ -459,6 +461,36 @@ class ScheduleConfig(Section):
     timezone: str = Field("UTC", description="Timezone of the cron.")
 
 
+class MonitorConfig(Section):
+    """`agentrft monitor`: the served model's recent traffic against the expectation suite
+    and the grader, window by window."""
+
+    traffic_file: str | None = Field(
+        None, description="JSONL log of production requests the serving side appends to: rows shaped as the "
+        "items (messages, tools, reference fields where known, timestamp) plus `response`, what the model "
+        "answered (an OpenAI message, a chat completion or text). None: read traces_experiment.")
+    traces_experiment: str | None = Field(
+        "agentrft-served", description="MLflow experiment (in mlflow.tracking_uri) of `serve-model --trace-to` "
+        "traces, read when traffic_file is None; reference fields come from each trace's `item` expectation.")
+    window_rows: int = Field(200, ge=1, description="Requests per window (the suite's distribution checks need "
+                             "200 rows, the derivation's distribution_min_rows).")
+    windows: int = Field(3, ge=1, description="The most recent windows read at each run.")
+    expectations_suite: str | None = Field(
+        None, description="Suite the windows are checked against (None: data.expectations_suite, the one derived "
+        "from earlier traffic); none at all: no drift check.")
+    max_failed_expectations: int = Field(
+        0, ge=0, description="Failed expectations allowed in the latest window before the run fails (drift).")
+    max_score_drop: float = Field(
+        0.1, ge=0, description="Largest fall of the latest window's mean score below the reference before the run "
+        "fails.")
+    reference_score: float | None = Field(
+        None, description="The score windows are compared to (None: the oldest window read).")
+    min_scored_rows: int = Field(
+        20, ge=1, description="Graded answers a window needs for its score to count (rows with reference fields, "
+        "or a grader that needs none).")
+    cron: str = Field("15 * * * *", description="Cron of the served monitor deployment (default hourly).")
+
+
 class PipelineConfig(Section):
     name: str = Field("agent-rft", description="Job name.")
     work_dir: str = Field(
@@ -480,6 +512,7 @@ class PipelineConfig(Section):
     promotion: PromotionConfig = Field(default_factory=PromotionConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 
     @field_validator("grader")
     @classmethod
@@ -600,7 +633,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
     """Load a YAML pipeline config; `overrides` are merged section by section on top."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found; pass a YAML file such as configs/demo.yaml")
+        raise ConfigError(f"{path}: config file not found; pass a YAML file such as envs/finqa/demo.yaml or configs/job.yaml")
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:

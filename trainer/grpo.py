@@ -29,6 +29,13 @@ One step of the algorithm:
 5. AdamW, linear warmup reaching the full rate at `warmup_steps`, then a constant, linear
    or cosine schedule; gradient clipping; `mini_batches` optimizer updates per pass.
 
+One step off-policy (`max_staleness: 1`): step t+1's rollouts are sampled in a thread
+while step t updates the weights, with the weights of step t - 1 (vLLM servers keep them
+until both are done; the embedded engine samples with a frozen copy that the sync after
+each step refreshes). Each step checks that its rollouts lag the trainer by at most
+`max_staleness` versions (`train/policy_lag_max`), and TIS weighs every token by
+min(exp(old - sampler), tis_cap) for the lag. A resumed run's first step samples on-policy.
+
 Evaluation runs before the first step, every `eval_interval` steps and after the last:
 one sample per validation item (`eval_samples` items) at the rollout temperature, with the
 same seed every time, so two evaluations differ by the model and not by the dice. The
@@ -67,6 +74,7 @@ import os
 import random
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,6 +237,19 @@ def fill_batch(
             return kept, rounds, dropped
         rounds += 1
         records = sample(rounds)
+
+
+@dataclass
+class Sample:
+    """A step's rollouts, before the update that learns from them."""
+
+    step: int
+    data_state: tuple[int, int]  # (epoch, position) of the data order at this step
+    records: list[RolloutRecord]  # the batch (after dynamic sampling)
+    sampled: list[RolloutRecord]  # everything sampled for it, the dropped groups too
+    resampled: int
+    dropped: int
+    seconds: float
 
 
 @dataclass
@@ -459,24 +480,42 @@ class GRPOTrainer:
             self._log(0, self._evaluate(0))  # the starting model, at the same settings
         progress = Progress(self.total_steps, "GRPO", unit="steps", log=print if self.is_main else _quiet)
         progress.done = self.step
+        # max_staleness 1: step t+1's rollouts are sampled (with version t - 1) while step t
+        # trains; the generator gets version t once both are done.
+        ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts-ahead") if training.max_staleness else None
+        pending: Future[Sample] | None = None
         with progress:  # its heartbeat thread stops however the loop ends
-            while self.step < last:
-                step = self.step + 1
-                started = time.perf_counter()
-                metrics = self._train_step(step)
-                synced = time.perf_counter()
-                self._refresh_whole()
-                self.generator.sync(step)
-                metrics["timing/sync_s"] = time.perf_counter() - synced
-                evaluate = bool(self.eval_items) and (step % self.hp["eval_interval"] == 0 or step == self.total_steps)
-                metrics.update(self._evaluate(step) if evaluate else {"timing/eval_s": 0.0})
-                metrics["timing/step_s"] = time.perf_counter() - started
-                self.step = step
-                self._log(step, metrics)
-                if step % training.checkpoint_interval == 0 or step == last:
-                    self._checkpoint()
-                progress.update(1, f"reward {metrics['train/reward_mean']:.3f}, tool calls "
-                                   f"{metrics['train/tool_calls_mean']:.2f}, {metrics['timing/step_s']:.1f} s/step")
+            try:
+                while self.step < last:
+                    step = self.step + 1
+                    started = time.perf_counter()
+                    sample = pending.result() if pending is not None else self._sample(step, step - 1)
+                    waited = time.perf_counter() - started
+                    pending = (ahead.submit(self._sample, step + 1, step - 1)
+                               if ahead is not None and step < last else None)
+                    metrics = self._learn(sample)
+                    if pending is not None:
+                        pending_started = time.perf_counter()
+                        wait([pending])  # the servers keep version step - 1 until its rollouts are in
+                        metrics["timing/ahead_wait_s"] = time.perf_counter() - pending_started
+                    metrics["timing/rollout_wait_s"] = waited
+                    synced = time.perf_counter()
+                    self._refresh_whole()
+                    self.generator.sync(step)
+                    metrics["timing/sync_s"] = time.perf_counter() - synced
+                    evaluate = bool(self.eval_items) and (step % self.hp["eval_interval"] == 0
+                                                          or step == self.total_steps)
+                    metrics.update(self._evaluate(step) if evaluate else {"timing/eval_s": 0.0})
+                    metrics["timing/step_s"] = time.perf_counter() - started
+                    self.step = step
+                    self._log(step, metrics)
+                    if step % training.checkpoint_interval == 0 or step == last:
+                        self._checkpoint()
+                    progress.update(1, f"reward {metrics['train/reward_mean']:.3f}, tool calls "
+                                       f"{metrics['train/tool_calls_mean']:.2f}, {metrics['timing/step_s']:.1f} s/step")
+            finally:
+                if ahead is not None:
+                    ahead.shutdown(wait=True, cancel_futures=True)  # no sampling outlives the generator
         model_dir = self._finish() if self.step == self.total_steps else None
         return TrainResult(
             model_dir=model_dir,
@@ -485,19 +524,18 @@ class GRPOTrainer:
             steps=self.step,
         )
 
-    def _train_step(self, step: int) -> dict[str, float]:
-        from accelerate.utils import gather_object
-
+    def _sample(self, step: int, version: int) -> Sample:
+        """Step `step`'s rollouts, sampled with the weights of policy version `version`
+        (dynamic sampling's rounds included). No collective runs here: with
+        `max_staleness: 1` this runs in a thread beside the previous step's update."""
         acc, training = self.accelerator, self.config.training
         group_size, mask_truncated = self.hp["group_size"], training.mask_truncated
         epoch, position, indices = self.data.batch(step)
-        self._data_state = (epoch, position)
         share = len(indices) // acc.num_processes
         mine = [self.train_items[i] for i in indices[acc.process_index * share : (acc.process_index + 1) * share]]
 
         started = time.perf_counter()
-        # sampled with the weights of the previous step: policy version step - 1
-        records = self._rollouts(mine, group_size, derived_seed(training.seed, "rollout", step), step - 1)
+        records = self._rollouts(mine, group_size, derived_seed(training.seed, "rollout", step), version)
         resampled = dropped = 0
         sampled = list(records)
         if training.dynamic_sampling:
@@ -507,7 +545,7 @@ class GRPOTrainer:
                                        derived_seed(training.seed, f"resample:{round_}", step))
                 fresh = [self.train_items[i] for i in fresh]
                 new = self._rollouts(fresh, group_size, derived_seed(training.seed, f"resample:{round_}", step),
-                                     step - 1)
+                                     version)
                 sampled.extend(new)
                 return new
 
@@ -515,13 +553,30 @@ class GRPOTrainer:
                 sample, records, group_size=group_size, want_groups=len(mine),
                 max_rounds=training.max_resample_batches, mask_truncated=mask_truncated,
             )
-        sampling_s = time.perf_counter() - started
+        return Sample(step, (epoch, position), records, sampled, resampled, dropped,
+                      time.perf_counter() - started)
+
+    def _learn(self, sample: Sample) -> dict[str, float]:
+        """One optimizer step (policy version step - 1 -> step) on a step's rollouts."""
+        from accelerate.utils import gather_object
+
+        acc, training = self.accelerator, self.config.training
+        step, records, mask_truncated = sample.step, sample.records, training.mask_truncated
+        self._data_state = sample.data_state
+        # The trainer holds version step - 1; a rollout may lag it by at most max_staleness
+        # versions (TIS weighs each token by min(exp(old - sampler), tis_cap) for the lag).
+        lags = [step - 1 - r.policy_version for r in sample.sampled]
+        if any(lag < 0 or lag > training.max_staleness for lag in lags):
+            raise RuntimeError(
+                f"step {step} trains on rollouts of policy versions {sorted({r.policy_version for r in sample.sampled})}"
+                f" while the trainer holds version {step - 1}; training.max_staleness is {training.max_staleness}"
+            )
         rewards = [r.reward if in_loss(r, mask_truncated=mask_truncated) else None for r in records]
         # `scale_rewards: batch` divides by the std of the whole batch, every process's rewards
         everyone = ([x for part in gather_object([[x for x in rewards if x is not None]]) for x in part]
                     if training.scale_rewards == "batch" and acc.num_processes > 1 else None)
-        advantages, silent_groups = batch_advantages(rewards, group_size, scale_rewards=training.scale_rewards,
-                                                     batch_rewards=everyone)
+        advantages, silent_groups = batch_advantages(rewards, self.hp["group_size"],
+                                                     scale_rewards=training.scale_rewards, batch_rewards=everyone)
 
         started = time.perf_counter()
         lr = self.hp["learning_rate"] * lr_factor(
@@ -533,8 +588,9 @@ class GRPOTrainer:
         training_s = time.perf_counter() - started
 
         gathered = gather_object([(_without_tokens(r), a) for r, a in zip(records, advantages, strict=True)])
-        everything = gather_object([_without_tokens(r) for r in sampled])
-        counts = gather_object([(silent_groups, resampled, dropped, sampling_s, training_s)])
+        everything = gather_object([_without_tokens(r) for r in sample.sampled])
+        counts = gather_object([(silent_groups, sample.resampled, sample.dropped, sample.seconds, training_s,
+                                 max(lags, default=0))])
         # The slowest process sets the pace of a step.
         sampling_s = max(c[3] for c in counts)
         training_s = max(c[4] for c in counts)
@@ -546,10 +602,12 @@ class GRPOTrainer:
                 "train/rollouts_per_s": len(everything) / max(sampling_s, 1e-9),
                 "train/tokens_per_s": sum(r.tokens_generated for r in everything) / max(sampling_s, 1e-9),
                 "train/grader_errors": float(sum(1 for r in everything if r.grader_errors)),
-                "train/zero_variance_group_share": sum(c[0] for c in counts) / max(1, len(gathered) // group_size),
+                "train/zero_variance_group_share": sum(c[0] for c in counts) / max(1, len(gathered) // self.hp[
+                    "group_size"]),
                 "train/resample_rounds": float(max(c[1] for c in counts)),
                 "train/dropped_groups": float(sum(c[2] for c in counts)),
                 "train/rollouts_in_loss": float(sum(1 for _, a in gathered if a is not None)),
+                "train/policy_lag_max": float(max(c[5] for c in counts)),
                 "train/lr": lr,
                 "timing/sampling_s": sampling_s,
                 "timing/training_s": training_s,
@@ -564,8 +622,11 @@ class GRPOTrainer:
         if not items:
             return []
         rollout, tools = self.config.rollout, self.config.tools
-        model = self.sampling_model()
-        model.eval()  # no dropout while sampling; the engine refuses a training model
+        # The embedded engine on the live weights refuses a model in training mode (dropout);
+        # vLLM and a frozen copy never touch the training model (which may be updating now).
+        model = self.sampling_model() if self.generator.reads_training_model else None
+        if model is not None:
+            model.eval()
         backend = self.generator.backend(seed)
 
         async def run() -> list[RolloutRecord]:
@@ -579,7 +640,8 @@ class GRPOTrainer:
         try:
             return asyncio.run(run())
         finally:
-            model.train()
+            if model is not None:
+                model.train()
 
     # -- evaluation, records, checkpoints ----------------------------------------------
 

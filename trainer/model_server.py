@@ -11,6 +11,14 @@ handlers submit sequences and await their turns, so concurrent requests are batc
 The model is a local path, a hub id, or an MLflow registry URI (`models:/name@alias`,
 `models:/name/3`) loaded through MLflow's transformers flavour. It binds to loopback by
 default; `--api-key` makes every route but /health require the key.
+
+With `trace_to` (`serve-model --trace-to URI`), every answered request becomes an MLflow
+trace in that store (experiment `trace_experiment`), shaped as a rollout's: an AGENT root
+span with the request's messages as inputs and the chat completion as outputs, one
+CHAT_MODEL span for the turn (tokens, finish_reason, content, tool calls), tags `kind:
+served`, `model` and `finish_reason`. Traces are written by one background thread, so a
+request never waits on the store; the server flushes them when it stops. The monitor
+(`agentrft monitor`) and `mlflow.genai.evaluate` with the grader's scorer read them.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import asyncio
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -113,14 +122,62 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
                         status_code=status)
 
 
+class ChatTraces:
+    """Served requests as MLflow traces, written by one background thread."""
+
+    def __init__(self, tracking_uri: str, experiment: str, model_name: str):
+        import mlflow
+        from mlflow import MlflowClient
+
+        mlflow.set_tracking_uri(tracking_uri)
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        found = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        self.model_name = model_name
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-traces")
+
+    def record(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, response: dict[str, Any],
+               started: float, seconds: float) -> None:
+        self.pool.submit(self._log, messages, tools, response, started, seconds)
+
+    def _log(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, response: dict[str, Any],
+             started: float, seconds: float) -> None:
+        choice = response["choices"][0]
+        start_ns, end_ns = int(started * 1e9), int((started + seconds) * 1e9)
+        root = self.client.start_trace(
+            "chat", span_type="AGENT", inputs={"messages": messages, "tools": tools or []},
+            tags={"kind": "served", "model": self.model_name, "finish_reason": choice["finish_reason"]},
+            experiment_id=self.experiment_id, start_time_ns=start_ns,
+            attributes={"response_id": response["id"]},
+        )
+        turn = self.client.start_span("turn 1", trace_id=root.trace_id, parent_id=root.span_id,
+                                      span_type="CHAT_MODEL", start_time_ns=start_ns,
+                                      attributes={"tokens": response["usage"]["completion_tokens"],
+                                                  "finish_reason": choice["finish_reason"]})
+        self.client.end_span(root.trace_id, turn.span_id, outputs={
+            "content": choice["message"].get("content") or "", "tool_calls": choice["message"].get("tool_calls", [])},
+            end_time_ns=end_ns)
+        self.client.end_trace(root.trace_id, outputs=response, end_time_ns=end_ns)
+
+    def close(self) -> None:
+        import mlflow
+
+        self.pool.shutdown(wait=True)
+        mlflow.flush_trace_async_logging()
+
+
 def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, max_len: int = 4096,
-                     api_key: str | None = None) -> FastAPI:
+                     api_key: str | None = None, trace_to: str | None = None,
+                     trace_experiment: str = "agentrft-served") -> FastAPI:
     service = EngineService(policy, max_slots=max_slots, max_len=max_len)
+    traces = ChatTraces(trace_to, trace_experiment, model_name) if trace_to else None
     app = FastAPI(title="agentrft model server")
     if api_key:
         app.add_middleware(RequireApiKey, key=api_key)
     app.state.service = service
     app.router.on_shutdown.append(service.close)
+    if traces is not None:
+        app.router.on_shutdown.append(traces.close)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -133,7 +190,7 @@ def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, ma
             return body
         if body.model and body.model != model_name:
             return _error(404, f"model {body.model!r} is not served here; GET /v1/models lists {model_name!r}", "not_found_error")
-        return await chat_completion(service, body, model_name=model_name)
+        return await chat_completion(service, body, model_name=model_name, traces=traces)
 
     return app
 
@@ -150,8 +207,10 @@ def parse_chat_request(raw: bytes) -> ChatRequest | JSONResponse:
     return body
 
 
-async def chat_completion(service: EngineService, body: ChatRequest, *, model_name: str) -> JSONResponse:
-    """One chat completion on `service`'s engine, in OpenAI's response shape."""
+async def chat_completion(service: EngineService, body: ChatRequest, *, model_name: str,
+                          traces: ChatTraces | None = None) -> JSONResponse:
+    """One chat completion on `service`'s engine, in OpenAI's response shape (recorded as a
+    trace when `traces` is given)."""
     chat_format = service.policy.chat
     messages = [_normalise(m) for m in body.messages]
     try:
@@ -164,22 +223,24 @@ async def chat_completion(service: EngineService, body: ChatRequest, *, model_na
         if budget < 1:
             return _error(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {service.max_len}")
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_new_tokens=budget)
+    started, clock = time.time(), time.perf_counter()
     output = await service.generate(prompt_ids, params)
     message, finish = _assistant_reply(chat_format, output, tools=body.tools)
-    return JSONResponse(
-        {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(output.token_ids),
-                "total_tokens": len(prompt_ids) + len(output.token_ids),
-            },
-        }
-    )
+    response = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(output.token_ids),
+            "total_tokens": len(prompt_ids) + len(output.token_ids),
+        },
+    }
+    if traces is not None:
+        traces.record(messages, body.tools, response, started, time.perf_counter() - clock)
+    return JSONResponse(response)
 
 
 def _assistant_reply(chat: Any, output: TurnOutput, *, tools: list[dict[str, Any]] | None) -> tuple[dict[str, Any], str]:
@@ -215,7 +276,8 @@ def _normalise(message: dict[str, Any]) -> dict[str, Any]:
 
 def serve_model(model: str, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
                 dtype: str = "auto", max_slots: int = 32, max_len: int = 4096, tracking_uri: str | None = None,
-                api_key: str | None = None, chat_format: str = "auto", enable_thinking: bool | None = None) -> None:
+                api_key: str | None = None, chat_format: str = "auto", enable_thinking: bool | None = None,
+                trace_to: str | None = None, trace_experiment: str = "agentrft-served") -> None:
     """Serve `model`: a path or hub id, or a registry URI loaded through MLflow's
     transformers flavour (`mlflow.transformers.load_model`)."""
     import uvicorn
@@ -227,5 +289,5 @@ def serve_model(model: str, *, host: str = "127.0.0.1", port: int = 8000, device
         policy = load_policy(model, device=device, dtype=dtype, chat_format=chat_format,
                              enable_thinking=enable_thinking)
     app = create_model_app(policy, model_name=model, max_slots=max_slots, max_len=max_len,
-                           api_key=resolve_api_key(api_key))
+                           api_key=resolve_api_key(api_key), trace_to=trace_to, trace_experiment=trace_experiment)
     uvicorn.run(app, host=host, port=port, log_level="info")

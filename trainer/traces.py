@@ -4,7 +4,9 @@ One trace per rollout, linked to the MLflow run that produced it. Its spans foll
 rollout's timeline: each assistant turn (a CHAT_MODEL span with what the model wrote and
 its finish_reason), the tool calls that turn made (TOOL spans with name, arguments,
 output, latency and status; calls of one turn overlap, as they ran concurrently), and the
-grading (an EVALUATOR span with score, reward, penalties and grader errors). Tags make
+grading (an EVALUATOR span with score, reward, penalties and grader errors; flushed
+traces also carry them as assessments, with the item's reference fields as the expectation
+`item`, for MLflow scorers). Tags make
 them searchable with `mlflow.search_traces(filter_string=...)`: `rollout.trace_id` (the id
 the tool servers saw), `item_id`, `score`, `reward`, `status`, `step` and `kind` (train,
 eval, baseline, candidate, ...).
@@ -18,7 +20,7 @@ MLflow's export queue, which was most of a small step's time), flushed before re
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainer.rollout import RolloutRecord
@@ -37,9 +39,13 @@ def _text(value: Any, limit: int = 4000) -> str:
 
 def log_rollout_traces(
     records: Sequence[RolloutRecord], *, experiment_id: str, run_id: str, step: int, kind: str, tracking_uri: str,
-    flush: bool = True,
+    flush: bool = True, items: Mapping[str, dict[str, Any]] | None = None,
 ) -> list[str]:
-    """Log `records` as traces of `run_id`; returns the MLflow trace ids."""
+    """Log `records` as traces of `run_id`; returns the MLflow trace ids. Each trace carries
+    its grade as assessments (`score` and `reward` feedback from the grader, or the
+    grader's error) and, when `items` (item id -> data row) has its item, the expectation
+    `item`: the row's reference fields, which an MLflow scorer of the same grader reads
+    (tasks/scoring.py)."""
     import mlflow
     from mlflow import MlflowClient
 
@@ -50,9 +56,34 @@ def log_rollout_traces(
     ids = []
     for record in records:
         ids.append(_log_one(client, record, experiment_id=experiment_id, run_id=run_id, step=step, kind=kind))
-    if flush:
+    if flush:  # assessments need the trace in the store: not logged on the trainer's unflushed traces
         mlflow.flush_trace_async_logging()
+        for trace_id, record in zip(ids, records, strict=True):
+            _log_grade(trace_id, record, (items or {}).get(record.item_id))
     return ids
+
+
+def item_fields(item: dict[str, Any]) -> dict[str, Any]:
+    """What of a data row a grader may read besides the conversation: every field but
+    `messages` and `tools` (reference answers, ids, categories)."""
+    return {key: value for key, value in item.items() if key not in ("messages", "tools")}
+
+
+def _log_grade(trace_id: str, record: RolloutRecord, item: dict[str, Any] | None) -> None:
+    import mlflow
+    from mlflow.entities import AssessmentError, AssessmentSource, AssessmentSourceType
+
+    source = AssessmentSource(source_type=AssessmentSourceType.CODE, source_id="agentrft-grader")
+    if record.score is not None:
+        mlflow.log_feedback(trace_id=trace_id, name="score", value=record.score, source=source)
+        mlflow.log_feedback(trace_id=trace_id, name="reward", value=record.reward, source=source)
+    elif record.grader_errors:
+        kind, message = next(iter(record.grader_errors.items()))
+        mlflow.log_feedback(trace_id=trace_id, name="score", source=source,
+                            error=AssessmentError(error_code=kind, error_message=message))
+    if item is not None:
+        mlflow.log_expectation(trace_id=trace_id, name="item", value=item_fields(item),
+                               source=AssessmentSource(source_type=AssessmentSourceType.CODE, source_id="dataset"))
 
 
 def _log_one(client: Any, record: RolloutRecord, *, experiment_id: str, run_id: str, step: int, kind: str) -> str:

@@ -348,6 +348,8 @@ class VllmGenerator:
     """Rollouts on vLLM servers for one training run: `backend(seed)` before each batch of
     rollouts, `sync(step)` after each optimizer step (see the module docstring)."""
 
+    reads_training_model = False  # the servers hold their own copy: sampling may run beside an update
+
     def __init__(self, servers: VllmServers, *, trainer: Any, work_dir: Path, model: str, mode: str):
         self.servers = servers
         self.trainer = trainer

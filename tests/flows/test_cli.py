@@ -31,6 +31,7 @@ from envs.finqa.tiny_model import count_parameters
 from tasks.expectations import load_suite
 from tasks.tracking import mlflow_client
 from tests.pipeline_world import micro
+from tests.taught_model import GRADER as ANSWER_GRADER
 from tests.taught_model import SYSTEM, TOOLS
 from trainer.config import load_config
 from trainer.data import read_items, read_jsonl
@@ -59,10 +60,12 @@ def listening_addresses(port: int) -> set[str]:
 
 
 @contextmanager
-def started(*args: str, log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """`agentrft ARGS` running in its own process group, its output in `log`; Ctrl-C (SIGINT
-    to the group) at the end, as a user stops it in a terminal, and the group is killed if
-    it does not stop."""
+def started(*args: str, log: Path, env: dict[str, str] | None = None,
+            stop: str = "ctrl-c") -> Iterator[subprocess.Popen]:
+    """`agentrft ARGS` running in its own process group, its output in `log`; at the end
+    Ctrl-C (SIGINT to the group), as a user stops it in a terminal, or (`stop="kill"`)
+    SIGTERM to the process alone, as `kill PID` or a service manager stops it; the group is
+    killed if it does not stop."""
     with log.open("w") as output:
         process = subprocess.Popen([str(AGENTRFT), *args], cwd=REPO, env={**os.environ, **(env or {})},
                                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
@@ -71,7 +74,10 @@ def started(*args: str, log: Path, env: dict[str, str] | None = None) -> Iterato
         yield process
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGINT)
+            if stop == "kill":
+                process.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(process.pid, signal.SIGINT)
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -334,8 +340,9 @@ def test_eval_on_the_taught_model(world: Path, micro_yaml: Path, tmp_path: Path)
 @pytest.mark.integration
 def test_serve_model_answers_the_openai_client(world: Path, taught_model: Path, tmp_path: Path) -> None:
     port = free_port()
+    traces_store = f"sqlite:///{tmp_path / 'served.db'}"
     with started("serve-model", "--model", str(taught_model), "--port", str(port), "--device", "cpu",
-                 "--max-len", "1024", log=tmp_path / "serve-model.log") as server:
+                 "--max-len", "1024", "--trace-to", traces_store, log=tmp_path / "serve-model.log") as server:
         models = wait_until_answers(f"http://127.0.0.1:{port}/v1/models", server).json()
         assert [m["id"] for m in models["data"]] == [str(taught_model)]
         assert listening_addresses(port) == {"127.0.0.1"}
@@ -357,6 +364,32 @@ def test_serve_model_answers_the_openai_client(world: Path, taught_model: Path, 
         assert replies[0].usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         assert 0 < replies[0].usage.completion_tokens <= 48
     assert server.returncode is not None and listening_addresses(port) == set()
+
+    # --trace-to: each request is a trace, which the grader's MLflow scorer scores as the
+    # pipeline grades (against the item, logged as the expectation a labeller would add)
+    import mlflow
+
+    from tasks.scoring import grader_scorer
+    from trainer.graders import grade, sample_from_text
+
+    mlflow.set_tracking_uri(traces_store)
+    experiment = mlflow.get_experiment_by_name("agentrft-served").experiment_id
+    traces = mlflow.search_traces(experiment_ids=[experiment])
+    assert len(traces) == 2
+    for trace_id in traces["trace_id"]:
+        trace = mlflow.get_trace(trace_id)
+        assert trace.info.tags["kind"] == "served" and trace.info.tags["model"] == str(taught_model)
+        assert [s.span_type for s in trace.data.spans] == ["AGENT", "CHAT_MODEL"]
+        mlflow.log_expectation(trace_id=trace_id, name="item", value={"reference_answer": item["reference_answer"]})
+    traces = mlflow.search_traces(experiment_ids=[experiment])
+    mlflow.set_experiment(experiment_id=experiment)  # the evaluation run beside the traces it scores
+    mlflow.genai.evaluate(data=traces, scorers=[grader_scorer(ANSWER_GRADER, name="answer")])
+    reply = first.message.model_dump()
+    expected = grade(ANSWER_GRADER, sample_from_text(reply["content"] or "", reply.get("tool_calls") or []),
+                     {"reference_answer": item["reference_answer"]})
+    for trace_id in traces["trace_id"]:
+        [scored] = [a for a in mlflow.get_trace(trace_id).info.assessments if a.name == "answer"]
+        assert scored.value == expected.reward and (scored.error is None) == (expected.reward is not None)
 
 
 # --- the demo model and the UIs -------------------------------------------------------------
@@ -381,12 +414,14 @@ def test_model_bootstrap_with_a_tiny_budget(world: Path, tmp_path: Path) -> None
 
 
 @pytest.mark.integration
-def test_ui_serves_prefect_and_mlflow_on_loopback(tmp_path: Path) -> None:
+def test_ui_serves_prefect_and_mlflow_on_loopback_and_frees_both_ports_on_sigterm(tmp_path: Path) -> None:
+    """Stopped by SIGTERM to its own process only (`kill PID`, a service manager), `agentrft
+    ui` stops both servers and every worker they started: both ports are free again."""
     prefect_port, mlflow_port = free_port(), free_port()
     store = tmp_path / "mlflow.db"
     with started("ui", "--tracking-uri", f"sqlite:///{store}", "--prefect-port", str(prefect_port),
                  "--mlflow-port", str(mlflow_port), log=tmp_path / "ui.log",
-                 env={"PREFECT_HOME": str(tmp_path / "prefect")}) as ui:
+                 env={"PREFECT_HOME": str(tmp_path / "prefect")}, stop="kill") as ui:
         assert wait_until_answers(f"http://127.0.0.1:{prefect_port}/api/health", ui).json() is True
         assert wait_until_answers(f"http://127.0.0.1:{mlflow_port}/health", ui).text == "OK"
         experiments = httpx.get(f"http://127.0.0.1:{mlflow_port}/api/2.0/mlflow/experiments/search",

@@ -76,8 +76,26 @@ def test_first_run_records_six_stages_and_promotes(first_run):
     regression = stages["regression_eval"].data.metrics
     assert regression["regression/gain_low"] > 0 and regression["regression/gates_passed"] == 1.0
     assert outcome["score_gain"]["gain"] > 0.1
-    inputs = {d.dataset.name: d.dataset.digest for d in stages["validate_data"].inputs.dataset_inputs}
+    inputs = {d.dataset.name: d.dataset.digest for d in stages["validate_data"].inputs.dataset_inputs
+              if d.dataset.name.endswith(".jsonl")}
     assert set(inputs) == {"train.jsonl", "validation.jsonl", "test.jsonl"} and len(set(inputs.values())) == 1
+    # the validation and test splits as MLflow evaluation datasets of this data version,
+    # linked to every stage run that read them
+    from mlflow.genai.datasets import search_datasets
+
+    md5 = parent.data.tags["data_md5"]
+    for stage, splits_read in (("validate_data", {"validation", "test"}), ("baseline", {"validation"}),
+                               ("prompt_optimization", {"validation"}), ("rft_training", {"validation"}),
+                               ("regression_eval", {"test"})):
+        named = {d.dataset.name for d in stages[stage].inputs.dataset_inputs if "@" in d.dataset.name}
+        assert named == {f"{split}@{md5[:12]}" for split in splits_read}, stage
+    for split in ("validation", "test"):
+        [dataset] = search_datasets(experiment_ids=[parent.info.experiment_id],
+                                    filter_string=f"name = '{split}@{md5[:12]}'")
+        assert dataset.tags["dvc_md5"] == md5 and dataset.tags["split"] == split
+        records = dataset.to_df()
+        assert len(records) == len(read_items(Path(getattr(config.data, f"{split}_file"))))
+        assert all(row["item"]["reference_answer"] is not None for row in records["expectations"])
     for stage, artifact in (("validate_data", "validation_report.md"), ("baseline", "per_item_spread.png"),
                             ("prompt_optimization", "variants.md"), ("regression_eval", "regression_report.md"),
                             ("regression_eval", "reward_hacking_probes.json"), ("promotion", "promotion.json")):
@@ -147,7 +165,7 @@ def test_worse_candidate_is_never_champion_and_rollback_works(first_run, world, 
     assert str(client.get_model_version_by_alias("micro-agent", "champion").version) == "1"
 
 
-def test_drifted_data_stops_at_validation(harness, world, endpoints, taught_model):
+def test_drifted_data_stops_at_validation(harness, world, endpoints, taught_model, capfd):
     from flows.pipeline import agent_rft_pipeline, pipeline_parameters
 
     drifted = world / "drifted"
@@ -161,10 +179,14 @@ def test_drifted_data_stops_at_validation(harness, world, endpoints, taught_mode
         "dvc_file": str(world / "drifted.dvc"), "train_file": str(drifted / "train.jsonl"),
         "validation_file": str(drifted / "validation.jsonl"), "test_file": str(drifted / "test.jsonl"),
         "expectations_dir": str(world / "expectations"), "expectations_suite": "traffic"})
+    capfd.readouterr()
     state = agent_rft_pipeline(**pipeline_parameters(config), return_state=True)
-    assert state.is_failed()
+    assert state.is_failed() and state.name == "Stopped"  # a verdict on the data, as a gate's
     with pytest.raises(Exception, match="validate_data: .* failed checks"):
         state.result()
+    logged = capfd.readouterr().err
+    assert "Traceback" not in logged, logged[-3000:]
+    assert "validate_data: " in logged and "failed checks" in logged
     client = mlflow_client(config.mlflow.tracking_uri)
     parent = client.search_runs([client.get_experiment_by_name("micro").experiment_id],
                                 filter_string="tags.stopped_at = 'validate_data'")[0]

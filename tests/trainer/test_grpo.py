@@ -505,6 +505,35 @@ def test_one_pass_takes_the_trainer_as_old_policy_and_reports_the_sampler_mismat
     assert result.steps == 1
 
 
+def test_one_step_off_policy_samples_the_next_step_during_the_update(two_step_run, world, endpoints, taught_model):
+    """`max_staleness: 1` on the embedded engine: a frozen copy of the weights samples step
+    2's rollouts while step 1 trains. Step 1 is the on-policy run's (same weights, same
+    seeds); step 2 trains on rollouts exactly one version old, whose sampler log-probs
+    differ from the trainer's by the update (what TIS weighs), not by float noise; the copy
+    holds the final weights after the last sync."""
+    reference_dir, _, _ = two_step_run
+    out = world / "one_step_off"
+    trainer = GRPOTrainer(micro_config(world, endpoints, max_staleness=1), model_path=str(taught_model),
+                          output_dir=out)
+    trainer.setup()
+    try:
+        assert trainer.train().steps == 2
+        frozen, trained = trainer.generator.copy.state_dict(), trainer.sampling_model().state_dict()
+        assert all(torch.equal(frozen[name], tensor) for name, tensor in trained.items())
+    finally:
+        trainer.cleanup()
+    reference = {r["step"]: r for r in read_jsonl(reference_dir / "metrics.jsonl")}
+    rows = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl")}
+    # Step 1's update shares the cores with step 2's sampling, which moves its float sums in
+    # the last bits (OpenMP teams); its rollouts (sampled before) are the same ones.
+    for key, value in _comparable(reference[1]).items():
+        assert rows[1][key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
+    assert rows[1]["train/policy_lag_max"] == 0 and rows[2]["train/policy_lag_max"] == 1
+    assert {r["policy_version"] for r in read_jsonl(out / "rollouts" / "step_2.jsonl")} == {0}
+    assert reference[2]["train/policy_lag_max"] == 0
+    assert reference[2]["train/sampler_diff_max"] < 1e-3 < rows[2]["train/sampler_diff_max"]
+
+
 @pytest.mark.slow
 def test_kl_coef_by_group_over_every_items_group_trains_as_the_same_kl_coef(world, endpoints, taught_model):
     groups = {item["category"] for item in read_jsonl(world / "train.jsonl")}

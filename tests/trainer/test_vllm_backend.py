@@ -317,6 +317,30 @@ def test_three_grpo_steps_on_vllm_sync_every_step(trainer: GRPOTrainer):
         assert row["train/sampler_diff_max"] < 1e-3
 
 
+def test_one_step_off_policy_on_vllm_samples_beside_the_update(trainer: GRPOTrainer, world: Path, endpoints,
+                                                               taught_model: Path, tmp_path: Path):
+    """`max_staleness: 1` on the module's server: step t+1's rollouts are generated while
+    step t trains, with the weights of step t - 1 (the server gets step t's once both are
+    done). Step 1 is on-policy; steps 2 and 3 train on rollouts exactly one version old, and
+    their sampler log-probs differ from the trainer's by that update (what TIS weighs)."""
+    url = trainer.generator.servers.urls[0]
+    config = vllm_config(world, endpoints, vllm={"launch": False, "urls": [url]}, max_staleness=1)
+    stale = GRPOTrainer(config, model_path=str(taught_model), output_dir=tmp_path / "run", endpoints=endpoints)
+    stale.setup()
+    try:
+        assert stale.train().steps == 3
+        assert stale.generator.version == 3 and len(stale.generator.sync_seconds) == 4  # at the start, then per step
+    finally:
+        stale.cleanup()
+    rows = {row["step"]: row for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")}
+    assert [rows[s]["train/policy_lag_max"] for s in (1, 2, 3)] == [0, 1, 1]
+    for step in (2, 3):
+        assert {r["policy_version"] for r in read_jsonl(tmp_path / "run" / "rollouts" / f"step_{step}.jsonl")} == {
+            step - 2}
+        assert rows[step]["train/sampler_diff_max"] > 1e-3 and rows[step]["train/infra_error_rate"] == 0
+    assert rows[1]["train/sampler_diff_max"] < 1e-3
+
+
 def test_rollouts_spread_over_replicas_and_leave_a_dead_one(trainer: GRPOTrainer):
     with socket.socket() as sock:  # a port nobody listens on: a replica that is down
         sock.bind(("127.0.0.1", 0))
@@ -437,3 +461,4 @@ def test_a_server_that_cannot_start_is_a_clear_error_with_its_log(tmp_path: Path
             pass
     assert str(tmp_path / "log") in str(failure.value) and "not-a-model" in str(failure.value)
     assert time.perf_counter() - started < 300
+
