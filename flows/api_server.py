@@ -544,8 +544,11 @@ def _serve_deployment(config_path: Path, overrides: list[str], env: dict[str, st
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
+    # In this process's folder, as `agentrft serve` would be: the config's relative paths mean
+    # the same to the jobs' runs as to this server.
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
     process = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--config", str(config_path),
-                                *(f"--set={o}" for o in overrides)], cwd=ROOT, env=env,
+                                *(f"--set={o}" for o in overrides)], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     tail: deque = deque(maxlen=30)
     _pump(process, tail)
