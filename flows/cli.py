@@ -265,6 +265,23 @@ def deploy(work_pool: Annotated[str, typer.Option(help="Prefect work pool.")],
 
 
 @app.command()
+def api(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
+        host: Annotated[str, typer.Option(help="Bind address (loopback by default).")] = "127.0.0.1",
+        port: int = 8100,
+        api_key: Annotated[str | None, typer.Option(help="Require this bearer key on every route (or ${VAR}).")]
+        = None,
+        prefect_port: Annotated[int, typer.Option(help="Port of the Prefect server started when PREFECT_API_URL "
+                                                       "is not set.")] = 4200) -> None:
+    """Serve OpenAI's fine-tuning API (files, jobs, events, checkpoints, graders, models,
+    chat completions): jobs are runs of the pipeline deployment, laid over --config."""
+    from flows.api_server import serve_api
+    from trainer.api_key import resolve_api_key
+
+    serve_api(config, set_ or [], _config(config, set_), host=host, port=port, api_key=resolve_api_key(api_key),
+              prefect_port=prefect_port)
+
+
+@app.command()
 def ui(tracking_uri: Annotated[str, typer.Option(help="MLflow store.")] = "sqlite:///mlflow.db",
        prefect_port: int = 4200, mlflow_port: int = 5000) -> None:
     """Start the Prefect and MLflow UIs on loopback."""

@@ -17,7 +17,7 @@ config, so a job written for OpenAI runs here unchanged:
 | `suffix` | `name` and `promotion.registered_model` |
 
 Files given as OpenAI file ids (`file-...`) cannot be fetched here: the error says to pass
-local paths. Hyperparameters OpenAI has and this trainer does not (`reasoning_effort`)
+local paths (`agentrft api` takes uploads and their ids, and calls this mapping). Hyperparameters OpenAI has and this trainer does not (`reasoning_effort`)
 are reported and ignored. A job's data is usually not under DVC, so the data version is
 the md5 of its files, and no expectation suite is applied unless the base config
 (`--config`) names one; leakage, gradability and shape checks run.

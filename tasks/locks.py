@@ -36,7 +36,8 @@ class ModelBusy(AgentRFTError):
     """Another pipeline run holds the registered model."""
 
 
-def _limit_name(model: str) -> str:
+def limit_name(model: str) -> str:
+    """The name of a registered model's lock (the Prefect limit, the lock file's stem)."""
     return "agentrft-model-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", model)
 
 
@@ -52,7 +53,7 @@ def _busy(model: str, waited: float | None) -> ModelBusy:
 @contextmanager
 def _file_lock(model: str, *, wait: bool, timeout_s: float, log: Callable[[str], Any]) -> Iterator[None]:
     LOCK_DIR.mkdir(parents=True, exist_ok=True)
-    path = LOCK_DIR / f"{_limit_name(model)}.lock"
+    path = LOCK_DIR / f"{limit_name(model)}.lock"
     with path.open("a+") as handle:
         started, told = time.monotonic(), False
         while True:
@@ -81,7 +82,7 @@ def _prefect_limit(model: str, *, wait: bool, timeout_s: float, log: Callable[[s
     from prefect.concurrency.sync import concurrency
     from prefect.exceptions import ObjectAlreadyExists
 
-    name = _limit_name(model)
+    name = limit_name(model)
     with get_client(sync_client=True) as client:
         try:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))

@@ -51,7 +51,8 @@ class RequireApiKey:
         if given and hmac.compare_digest(given, self.key):
             await self.app(scope, receive, send)
             return
-        body = json.dumps({"error": {"message": "missing or wrong API key", "type": "authentication_error"}}).encode()
+        body = json.dumps({"error": {"message": "missing or wrong API key", "type": "authentication_error",
+                                     "param": None, "code": "invalid_api_key"}}).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
         await send({"type": "http.response.body", "body": body})

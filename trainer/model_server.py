@@ -118,7 +118,8 @@ def _fail(future: asyncio.Future, exc: Exception) -> None:
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                        status_code=status)
 
 
 class ChatTraces:
@@ -169,7 +170,6 @@ def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, ma
                      api_key: str | None = None, trace_to: str | None = None,
                      trace_experiment: str = "agentrft-served") -> FastAPI:
     service = EngineService(policy, max_slots=max_slots, max_len=max_len)
-    chat_format = policy.chat
     traces = ChatTraces(trace_to, trace_experiment, model_name) if trace_to else None
     app = FastAPI(title="agentrft model server")
     if api_key:
@@ -185,46 +185,62 @@ def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, ma
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> JSONResponse:
-        try:
-            body = ChatRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            return _error(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
-        if body.stream:
-            return _error(400, "stream=true is not supported by this server")
+        body = parse_chat_request(await request.body())
+        if isinstance(body, JSONResponse):
+            return body
         if body.model and body.model != model_name:
             return _error(404, f"model {body.model!r} is not served here; GET /v1/models lists {model_name!r}", "not_found_error")
-        messages = [_normalise(m) for m in body.messages]
-        try:
-            prompt_ids = chat_format.prompt_ids(messages, body.tools)
-        except ConfigError as exc:  # the model's template refused the conversation
-            return _error(400, str(exc))
-        budget = body.max_completion_tokens or body.max_tokens or 512
-        if len(prompt_ids) + budget > service.max_len:
-            budget = service.max_len - len(prompt_ids)
-            if budget < 1:
-                return _error(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {service.max_len}")
-        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_new_tokens=budget)
-        started, clock = time.time(), time.perf_counter()
-        output = await service.generate(prompt_ids, params)
-        message, finish = _assistant_reply(chat_format, output, tools=body.tools)
-        response = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(output.token_ids),
-                "total_tokens": len(prompt_ids) + len(output.token_ids),
-            },
-        }
-        if traces is not None:
-            traces.record(messages, body.tools, response, started, time.perf_counter() - clock)
-        return JSONResponse(response)
+        return await chat_completion(service, body, model_name=model_name, traces=traces)
 
     return app
+
+
+def parse_chat_request(raw: bytes) -> ChatRequest | JSONResponse:
+    """The request body, or the 400 answer that says what is wrong with it."""
+    try:
+        body = ChatRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        return _error(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+    if body.stream:
+        return _error(400, "stream=true is not supported by this server")
+    return body
+
+
+async def chat_completion(service: EngineService, body: ChatRequest, *, model_name: str,
+                          traces: ChatTraces | None = None) -> JSONResponse:
+    """One chat completion on `service`'s engine, in OpenAI's response shape (recorded as a
+    trace when `traces` is given)."""
+    chat_format = service.policy.chat
+    messages = [_normalise(m) for m in body.messages]
+    try:
+        prompt_ids = chat_format.prompt_ids(messages, body.tools)
+    except ConfigError as exc:  # the model's template refused the conversation
+        return _error(400, str(exc))
+    budget = body.max_completion_tokens or body.max_tokens or 512
+    if len(prompt_ids) + budget > service.max_len:
+        budget = service.max_len - len(prompt_ids)
+        if budget < 1:
+            return _error(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {service.max_len}")
+    params = SamplingParams(temperature=body.temperature, top_p=body.top_p, max_new_tokens=budget)
+    started, clock = time.time(), time.perf_counter()
+    output = await service.generate(prompt_ids, params)
+    message, finish = _assistant_reply(chat_format, output, tools=body.tools)
+    response = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(output.token_ids),
+            "total_tokens": len(prompt_ids) + len(output.token_ids),
+        },
+    }
+    if traces is not None:
+        traces.record(messages, body.tools, response, started, time.perf_counter() - clock)
+    return JSONResponse(response)
 
 
 def _assistant_reply(chat: Any, output: TurnOutput, *, tools: list[dict[str, Any]] | None) -> tuple[dict[str, Any], str]:

@@ -117,7 +117,7 @@ def micro_yaml(world, endpoints, taught_model, tmp_path_factory) -> Path:
 def test_help_lists_every_command() -> None:
     result = agentrft("--help")
     assert result.returncode == 0, result.stderr
-    for command in ("run", "demo", "train", "eval", "promote", "serve", "deploy", "ui", "serve-model", "data",
+    for command in ("run", "demo", "train", "eval", "promote", "serve", "deploy", "api", "ui", "serve-model", "data",
                     "env", "grader", "config", "model", "expectations"):
         assert re.search(rf"│ {re.escape(command)} ", result.stdout), command
     result = agentrft("run", "--help")

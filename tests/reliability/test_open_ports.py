@@ -161,7 +161,7 @@ def test_servers_bind_to_loopback_by_default() -> None:
     assert default_host(model_server.serve_model) == LOOPBACK  # `agentrft serve-model` calls it
     command = typer.main.get_command(cli)
     context = typer.Context(command)
-    for path in (["serve-model"], ["env", "serve"]):
+    for path in (["serve-model"], ["env", "serve"], ["api"]):
         sub = command
         for name in path:
             sub = sub.get_command(context, name)
