@@ -199,7 +199,7 @@ def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
     )
     paths = write_outputs(summary, records, out)
     if split == "test":  # a reading of the test split: counted in the ledger and in MLflow
-        from tasks.ledger import record_reading, tag_run
+        from tasks.ledger import ledger_path, record_reading, tag_run
         from tasks.tracking import mlflow_client
 
         store = resolve_tracking_uri(c.mlflow.tracking_uri)
@@ -215,7 +215,7 @@ def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
         tag_run(client, run_id, found)
         client.set_terminated(run_id)
         if found is not None:
-            print(f"{found.sentence()} Ledger: {c.data.test_ledger}; MLflow run {run_id}.")
+            print(f"{found.sentence()} Ledger: {ledger_path(c.data)}; MLflow run {run_id}.")
     table = Table(title="evaluation")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -444,14 +444,15 @@ def data_verify(config: ConfigOption = Path(DEMO_CONFIG), seed: int = 0) -> None
 @data_app.command("readings")
 def data_readings(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None) -> None:
     """How many times the config's test split has been read, and by which configs (data.test_ledger)."""
-    from tasks.ledger import readings, split_digest
+    from tasks.ledger import ledger_path, readings, split_digest
 
     c = _config(config, set_)
-    if not c.data.test_ledger:
+    ledger = ledger_path(c.data)
+    if ledger is None:
         raise AgentRFTError("data.test_ledger is null: readings are tagged in MLflow only (test_split.readings)")
     split, items = split_digest(c.data)
-    found = readings(Path(c.data.test_ledger), split)
-    print(json.dumps({"ledger": c.data.test_ledger, "test_split_sha256": split, "items": items,
+    found = readings(ledger, split)
+    print(json.dumps({"ledger": str(ledger), "test_split_sha256": split, "items": items,
                       "readings": found.count, "configs": found.configs}, indent=2))
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from prefect import get_run_logger, task
 
 from tasks.cache import stage_cache
-from tasks.ledger import record_reading, tag_run
+from tasks.ledger import ledger_path, record_reading, tag_run
 from tasks.results import Candidate, Gate, RegressionResult
 from tasks.rollout_eval import apply_variant, evaluate_model, keep_rollouts
 from tasks.tracking import (
@@ -200,7 +200,7 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
         tag_run(client, run_id, found)
         markdown = report_markdown(results, gates, p.group_by)
         if found is not None:
-            markdown += f"\n{found.sentence()} Ledger: {data.test_ledger}.\n"
+            markdown += f"\n{found.sentence()} Ledger: {ledger_path(data)}.\n"
             logger.info("regression_eval: %s", found.sentence())
         log_text(client, run_id, markdown, "regression_report.md")
         log_json(client, run_id, results, "regression_report.json")

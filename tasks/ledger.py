@@ -53,13 +53,22 @@ def readings(ledger: Path, split: str) -> Readings:
     return Readings(split=split, count=len(rows), configs=configs)
 
 
+def ledger_path(data: Any) -> Path | None:
+    """Where `data.test_ledger` says readings go (auto: beside the test split's file)."""
+    if not data.test_ledger:
+        return None
+    if data.test_ledger == "auto":
+        return Path(data.test_file or data.validation_file).parent / "test_readings.jsonl"
+    return Path(data.test_ledger)
+
+
 def record_reading(data: Any, *, command: str, config: str, config_hash: str, model: str,
                    git_commit: str = "", mlflow_run_id: str = "", note: str = "") -> Readings | None:
     """Append this reading to `data.test_ledger` (None: no ledger, nothing recorded) and
     return the split's readings so far, this one included."""
-    if not data.test_ledger:
+    ledger = ledger_path(data)
+    if ledger is None:
         return None
-    ledger = Path(data.test_ledger)
     split, n_items = split_digest(data)
     row = {
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

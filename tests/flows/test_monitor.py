@@ -133,8 +133,10 @@ def test_serve_registers_the_monitor_and_a_promotion_starts_it_for_that_version(
         with get_client(sync_client=True) as prefect:
             deadline = time.monotonic() + 180
             while True:
-                found = prefect.read_deployments(deployment_filter=DeploymentFilter(
+                # this serve's deployment (another test's serve may have registered one of that name)
+                found = [d for d in prefect.read_deployments(deployment_filter=DeploymentFilter(
                     name=DeploymentFilterName(any_=["monitor"])))
+                    if d.parameters["config"]["monitor"]["traffic_file"] == str(log)]
                 if found or time.monotonic() > deadline:
                     break
                 assert server.poll() is None, server.stderr.read().decode()[-3000:]

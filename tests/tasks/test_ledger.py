@@ -41,3 +41,9 @@ def test_no_ledger_records_nothing(tmp_path, demo_data_dir):
     data = _data(tmp_path, demo_data_dir, 3).model_copy(update={"test_ledger": None})
     assert record_reading(data, command="regression_eval", config="job", config_hash="a" * 16, model="m") is None
     assert not (tmp_path / "ledger").exists()
+
+
+def test_auto_puts_the_ledger_beside_the_test_file(tmp_path, demo_data_dir):
+    data = _data(tmp_path, demo_data_dir, 3).model_copy(update={"test_ledger": "auto"})
+    assert record_reading(data, command="regression_eval", config="job", config_hash="a" * 16, model="m").count == 1
+    assert (tmp_path / "test_readings.jsonl").is_file()
