@@ -9,22 +9,13 @@ chunks). Its gate is set to fail, so the run stops after the baseline.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tasks.tracking import mlflow_client
 from tests.pipeline_world import micro
+from tests.vllm_env import VLLM_MARKS, VLLM_PYTHON
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM environment: create .venv-vllm with "
-                       "scripts/vllm_env.sh (make vllm)"),
-]
+pytestmark = VLLM_MARKS
 
 
 def test_the_baseline_stage_runs_64_seeded_rollouts_at_once_on_a_launched_server(

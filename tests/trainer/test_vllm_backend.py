@@ -30,6 +30,7 @@ import yaml
 
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS, copy_items, teach_model
+from tests.vllm_env import VLLM_MARKS, VLLM_PYTHON
 from trainer.config import config_from_dict
 from trainer.data import read_items, read_jsonl, split_items
 from trainer.engine import GenerationBackend, SamplingParams, TransformersBackend
@@ -46,15 +47,7 @@ from trainer.vllm_backend import (
     vllm_eval_backend,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM environment: create .venv-vllm with "
-                       "scripts/vllm_env.sh (make vllm)"),
-]
+pytestmark = VLLM_MARKS
 
 # Two cores, float32, no CUDA graphs, a small KV cache; LoRA enabled for the adapter test.
 # One process (the engine and its worker inside the API server: SINGLE_PROCESS below) starts
