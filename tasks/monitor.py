@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.scoring import assistant_message
 from trainer.data import read_jsonl
 from trainer.errors import DataError
 from trainer.graders import grade, sample_from_text
@@ -49,17 +50,6 @@ class MonitorResult:
     windows: list[dict[str, Any]]
     passed: bool
     reasons: list[str]
-
-
-def _message(response: Any) -> dict[str, Any] | None:
-    """The assistant message of a logged response (a message, a chat completion or text)."""
-    if response is None:
-        return None
-    if isinstance(response, str):
-        return {"content": response}
-    if isinstance(response, dict) and response.get("choices"):
-        return dict(response["choices"][0].get("message") or {})
-    return dict(response) if isinstance(response, dict) else None
 
 
 def traffic_from_file(path: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -92,9 +82,9 @@ def traffic_from_traces(tracking_uri: str, experiment: str, limit: int) -> list[
 def score_window(window: Window, grader: dict[str, Any], min_scored_rows: int) -> None:
     scores, calls, tokens = [], [], []
     for _, row in window.rows:
-        message = _message(row.get("response"))
-        if message is None:
-            continue
+        if row.get("response") is None:
+            continue  # a request whose answer the log does not hold
+        message = assistant_message(row["response"])
         tool_calls = message.get("tool_calls") or []
         calls.append(len(tool_calls))
         usage = row.get("response", {}).get("usage") if isinstance(row.get("response"), dict) else None

@@ -34,7 +34,9 @@ ITEM_EXPECTATION = "item"  # the expectation that carries a rollout's item (its 
 SOURCE_ID = "agentrft-grader"
 
 
-def _message(outputs: Any) -> dict[str, Any]:
+def assistant_message(outputs: Any) -> dict[str, Any]:
+    """The assistant message in what a model answered: a rollout trace's outputs, a chat
+    completion, a message, or text."""
     if isinstance(outputs, str):
         return {"content": outputs}
     if not isinstance(outputs, dict):
@@ -75,7 +77,7 @@ def grader_scorer(grader: dict[str, Any], *, name: str = "grader") -> Any:
 
     def score(inputs: Any = None, outputs: Any = None, expectations: dict[str, Any] | None = None,
               trace: Any = None) -> list[Any]:
-        message = _message(outputs)
+        message = assistant_message(outputs)
         content = message.get("content")
         text = content if isinstance(content, str) else json.dumps(content or "", default=str)
         tools = _trace_tool_calls(trace)
