@@ -51,6 +51,13 @@ def pinned_md5(dvc_file: str | Path) -> str:
         return str(_output(repo, dvc_file).hash_info.value).removesuffix(".dir")
 
 
+def pinned_output(dvc_file: str | Path) -> Path:
+    """The directory or file `dvc_file` pins, as DVC resolves it."""
+    dvc_file = Path(dvc_file)
+    with _repo(dvc_file) as repo:
+        return Path(_output(repo, dvc_file).fs_path).resolve()
+
+
 def check_pinned(dvc_file: str | Path) -> str:
     """Ask DVC whether the workspace holds exactly what `dvc_file` pins; returns the md5.
     DataError naming the output and the DVC command to run when it does not."""

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.data import read_jsonl, split_items
+from trainer.errors import DataError
 
 
 @dataclass
@@ -54,12 +55,27 @@ def readings(ledger: Path, split: str) -> Readings:
 
 
 def ledger_path(data: Any) -> Path | None:
-    """Where `data.test_ledger` says readings go (auto: beside the test split's file)."""
+    """Where `data.test_ledger` says readings go (auto: beside the DVC file when the data is
+    pinned, outside what it pins; else beside the test split's file)."""
     if not data.test_ledger:
         return None
     if data.test_ledger == "auto":
-        return Path(data.test_file or data.validation_file).parent / "test_readings.jsonl"
+        beside = data.dvc_file or data.test_file or data.validation_file
+        return Path(beside).parent / "test_readings.jsonl"
     return Path(data.test_ledger)
+
+
+def _check_outside_pin(data: Any, ledger: Path) -> None:
+    """A ledger inside the DVC-pinned data would change the data version at every reading."""
+    if not data.dvc_file:
+        return
+    from tasks.data_version import pinned_output
+
+    pinned = pinned_output(data.dvc_file)
+    if ledger.resolve().is_relative_to(pinned):
+        raise DataError(f"data.test_ledger: {ledger} is inside {pinned}, which {data.dvc_file} pins; every reading "
+                        "would change the data version. Put the ledger outside it (e.g. beside "
+                        f"{data.dvc_file}, which `auto` does)")
 
 
 def record_reading(data: Any, *, command: str, config: str, config_hash: str, model: str,
@@ -69,6 +85,7 @@ def record_reading(data: Any, *, command: str, config: str, config_hash: str, mo
     ledger = ledger_path(data)
     if ledger is None:
         return None
+    _check_outside_pin(data, ledger)
     split, n_items = split_digest(data)
     row = {
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -101,8 +101,8 @@ class DataConfig(Section):
     test_ledger: str | None = Field(
         "auto", description="Ledger of every reading of the test split (regression_eval, `agentrft eval --split "
         "test`), one JSON line each; commit it with the project, since an MLflow store's count starts at zero on "
-        "every clone. auto: test_readings.jsonl beside the test file (the validation file without one); None: "
-        "readings are tagged in MLflow only.")
+        "every clone. auto: test_readings.jsonl beside `dvc_file` (outside the pinned data), else "
+        "beside the test file (the validation file without one); None: readings are tagged in MLflow only.")
     max_train_items: int | None = Field(None, ge=1, description="Use only the first N training items.")
     max_validation_items: int | None = Field(None, ge=1, description="Use only the first N validation items.")
     max_test_items: int | None = Field(None, ge=1, description="Use only the first N test items.")

@@ -47,3 +47,27 @@ def test_auto_puts_the_ledger_beside_the_test_file(tmp_path, demo_data_dir):
     data = _data(tmp_path, demo_data_dir, 3).model_copy(update={"test_ledger": "auto"})
     assert record_reading(data, command="regression_eval", config="job", config_hash="a" * 16, model="m").count == 1
     assert (tmp_path / "test_readings.jsonl").is_file()
+
+
+def test_auto_keeps_a_dvc_pinned_ledger_outside_the_pin(tmp_path, demo_data_dir):
+    """A reading must not change the data version: beside data.dvc, never inside data/."""
+    import pytest
+
+    from tasks.data_version import add, check_pinned, init
+    from trainer.errors import DataError
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    data = _data(data_dir, demo_data_dir, 3)
+    init(tmp_path)
+    dvc_file = add(data_dir)
+    pinned = check_pinned(dvc_file)
+    data = data.model_copy(update={"dvc_file": str(dvc_file), "test_ledger": "auto"})
+    assert record_reading(data, command="regression_eval", config="job", config_hash="a" * 16, model="m").count == 1
+    assert (tmp_path / "test_readings.jsonl").is_file()
+    assert check_pinned(dvc_file) == pinned  # the data version is unchanged
+
+    inside = data.model_copy(update={"test_ledger": str(data_dir / "test_readings.jsonl")})
+    with pytest.raises(DataError, match=r"data.test_ledger: .* is inside .*which .*data.dvc pins"):
+        record_reading(inside, command="regression_eval", config="job", config_hash="a" * 16, model="m")
+    assert not (data_dir / "test_readings.jsonl").exists()
