@@ -1,14 +1,15 @@
 """Before/after table of the demo's training, in the terms of OpenAI's Agent RFT talk.
 
-The base model and a trained one run on the same test items (the split only the
-regression evaluation reads) with the same seed and k samples each, under the demo
+The base model and a trained one run on the same validation items (`--split test`: the
+test items, a reading of the test split that is appended to the job's ledger like any
+other, tasks/ledger.py) with the same seed and k samples each, under the demo
 config's rollout settings, penalties, grader and tools (the FinQA tool server is started on
 the port its endpoints name); printed side by side: mean score (with the paired bootstrap
 95% interval of the gain, as the regression stage computes it), best-of-k, tool calls per
 rollout, generated tokens per rollout, latency p50, and the relative change of each.
 
     .venv/bin/python -m benchmarks.demo_before_after [--config envs/finqa/demo.yaml]
-        [--after models:/finqa-agent@challenger] [--items 128] [--k 4] [--json out.json]
+        [--after models:/finqa-agent@challenger] [--items 128] [--k 4] [--split validation] [--json out.json]
 
 `--after` takes a path or a registry URI (default: the registered `challenger`, the newest
 model the pipeline trained). 128 items x 4 samples = 512 rollouts per model: about +-4
@@ -60,7 +61,9 @@ def main() -> None:
     parser.add_argument("--config", default=str(DEMO_CONFIG))
     parser.add_argument("--before", default=None, help="Default: the config's base model.")
     parser.add_argument("--after", default=None, help="Default: models:/<registered model>@challenger.")
-    parser.add_argument("--items", type=int, default=128, help="test items")
+    parser.add_argument("--items", type=int, default=128, help="items of the split")
+    parser.add_argument("--split", choices=("validation", "test"), default="validation",
+                        help="test: a reading of the test split, recorded in the ledger")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -68,7 +71,14 @@ def main() -> None:
     config = load_config(args.config)
     before = args.before or config.model.base_model
     after = args.after or f"models:/{config.registered_model}@challenger"
-    items = split_items(config.data, "test", args.items)
+    items = split_items(config.data, args.split, args.items)
+    if args.split == "test":
+        from tasks.ledger import record_reading
+
+        found = record_reading(config.data, command="benchmarks/demo_before_after.py --split test",
+                               config=config.name, config_hash=config.section_hash(), model=after)
+        if found is not None:
+            print(found.sentence())
     summaries = {}
     with tool_server(config, Path(config.data.train_file).parent / "corpus"):
         for label, model in (("before", before), ("after", after)):
@@ -78,7 +88,7 @@ def main() -> None:
     gain = compare((summaries["before"], "before"), (summaries["after"], "after"),
                    samples=config.promotion.bootstrap_samples, seed=config.baseline.seed)["score_gain"]
 
-    table = Table(title=f"before / after: {len(items)} test items x {args.k} samples, same seed")
+    table = Table(title=f"before / after: {len(items)} {args.split} items x {args.k} samples, same seed")
     for column in ("figure", "before", "after", "change"):
         table.add_column(column, justify="left" if column == "figure" else "right")
     rows = {}

@@ -42,6 +42,9 @@ for sub, name in ((data_app, "data"), (env_app, "env"), (grader_app, "grader"), 
 ConfigOption = Annotated[Path, typer.Option("--config", "-c", help="Pipeline config (YAML).")]
 SetOption = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="SECTION.KEY=VALUE",
                                                      help="Override a config value (repeatable).")]
+StopAfterOption = Annotated[str | None, typer.Option(
+    "--stop-after", metavar="STAGE", help="End after baseline, prompt_optimization or rft_training: the test split "
+    "is not read (trying seeds, data sizes or configs on the validation split).")]
 RefreshOption = Annotated[list[str] | None, typer.Option("--refresh", metavar="STAGE",
                                                          help="Re-run this stage (and the later ones) even if cached.")]
 
@@ -62,11 +65,11 @@ def _config(path: Path, assignments: list[str] | None) -> Any:
 # --- the pipeline ---------------------------------------------------------------------------
 
 
-def _run_pipeline(config: Any, refresh: list[str]) -> dict[str, Any]:
+def _run_pipeline(config: Any, refresh: list[str], stop_after: str | None = None) -> dict[str, Any]:
     """Run the pipeline flow; a failed run's reason becomes the command's error."""
     from flows.pipeline import agent_rft_pipeline, outcome_of, pipeline_parameters
 
-    return outcome_of(agent_rft_pipeline(**pipeline_parameters(config, refresh), return_state=True))
+    return outcome_of(agent_rft_pipeline(**pipeline_parameters(config, refresh, stop_after), return_state=True))
 
 
 def print_outcome(outcome: dict[str, Any], config: Any) -> None:
@@ -78,16 +81,24 @@ def print_outcome(outcome: dict[str, Any], config: Any) -> None:
     before_after = outcome.get("before_after")
     if before_after:
         table = Table(title="before / after (same test items and seeds)")
-        for column in ("metric", "baseline", "candidate", "change"):
+        for column in ("metric", "baseline", "candidate", "relative change"):
             table.add_column(column, justify="left" if column == "metric" else "right")
         for name, values in before_after.items():
             b, a = values["baseline"], values["candidate"]
             table.add_row(name, f"{b:.4g}", f"{a:.4g}", f"{(a - b) / b:+.1%}" if b else "n/a")
         console.print(table)
         gain = outcome["score_gain"]
-        console.print(f"score gain on the test split {gain['gain']:+.4f}, 95% CI [{gain['low']:+.4f}, "
-                      f"{gain['high']:+.4f}] ({outcome.get('test_split', 'test file')})")
+        console.print(f"score gain on the test split {100 * gain['gain']:+.1f} points, 95% CI "
+                      f"[{100 * gain['low']:+.1f}, {100 * gain['high']:+.1f}] (paired item bootstrap, one training "
+                      f"run; {outcome.get('test_split', 'test file')})")
+        if outcome.get("test_readings"):
+            console.print(outcome["test_readings"])
     console.print(f"outcome: {outcome['outcome']}: {outcome.get('decision', outcome.get('reason', ''))}")
+    if outcome.get("stopped_after") == "rft_training":
+        candidate = outcome["candidate"]
+        score = "n/a" if candidate["score"] is None else f"{candidate['score']:.4f}"
+        console.print(f"candidate: {candidate['model_uri']} (step {candidate['step']}, validation {score}); score it "
+                      f"on the validation split: `agentrft eval --model {candidate['model_uri']}`")
     cached = [name for name, stage in outcome.get("stages", {}).items() if stage["cached"]]
     if cached:
         console.print(f"served from cache: {', '.join(cached)}")
@@ -103,6 +114,7 @@ def run(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None, refres
         openai_job: Annotated[Path | None, typer.Option(help="An OpenAI fine-tuning job body (method "
                                                               "reinforcement), laid over --config.")] = None,
         model: Annotated[str | None, typer.Option(help="With --openai-job: the base model path or hub id.")] = None,
+        stop_after: StopAfterOption = None,
         ) -> None:
     """Run the pipeline: validate, baseline, prompts, RFT, regression eval, promotion."""
     if openai_job is not None:
@@ -118,7 +130,7 @@ def run(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None, refres
             print(f"note: {note}", file=sys.stderr)
     else:
         pipeline_config = _config(config, set_)
-    print_outcome(_run_pipeline(pipeline_config, refresh or []), pipeline_config)
+    print_outcome(_run_pipeline(pipeline_config, refresh or [], stop_after), pipeline_config)
 
 
 @app.command()
@@ -137,12 +149,13 @@ def monitor(config: ConfigOption, set_: SetOption = None,
 
 
 @app.command()
-def demo(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None, refresh: RefreshOption = None) -> None:
+def demo(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None, refresh: RefreshOption = None,
+         stop_after: StopAfterOption = None) -> None:
     """The whole pipeline on the embedded FinQA-style default (what `make demo` runs)."""
     from envs.finqa.demo import run_demo
 
     pipeline_config = _config(config, set_)
-    outcome = run_demo(pipeline_config, refresh or [])
+    outcome = run_demo(pipeline_config, refresh or [], stop_after=stop_after)
     print_outcome(outcome, pipeline_config)
     print(f"demo wall time: {outcome['wall_s']:.0f} s")
 

@@ -58,6 +58,10 @@ from trainer.errors import AgentRFTError, ConfigError
 
 Stage = Literal["validate_data", "baseline", "prompt_optimization", "rft_training", "regression_eval", "promotion"]
 STAGES: tuple[str, ...] = Stage.__args__
+# Where a run may end early: the stages before the test split is read (a run that tries
+# configs, seeds or data sizes on the validation split alone).
+StopAfter = Literal["baseline", "prompt_optimization", "rft_training"]
+STOP_AFTER: tuple[str, ...] = StopAfter.__args__
 
 
 class PipelineStopped(AgentRFTError):
@@ -90,12 +94,17 @@ def _run_in_store(client: Any, run_id: str) -> bool:
         raise
 
 
-def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict[str, Any]:
-    """Run the six stages for `config` inside a flow; returns the outcome summary."""
+def run_stages(config: PipelineConfig, refresh: list[str] | None = None,
+               stop_after: str | None = None) -> dict[str, Any]:
+    """Run the six stages for `config` inside a flow (or those up to `stop_after`, one of
+    STOP_AFTER: the test split is then never read); returns the outcome summary."""
     refresh = list(refresh or [])
     unknown = sorted(set(refresh) - set(STAGES))
     if unknown:
         raise ConfigError(f"refresh: unknown stages {unknown}; the stages are {list(STAGES)}")
+    if stop_after is not None and stop_after not in STOP_AFTER:
+        raise ConfigError(f"stop_after: {stop_after!r} is not one of {list(STOP_AFTER)} (the stages before the "
+                          "test split is read)")
     first_refreshed = min((STAGES.index(stage) for stage in refresh), default=len(STAGES))
     logger = get_run_logger()
     ctx = open_pipeline_run(config, data_md5=data_version(config.data), git_commit=git_commit())
@@ -127,6 +136,14 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict
         logger.info("%s: %s (MLflow run %s)", stage, "served from cache" if cached else "done", result.run_id)
         return result
 
+    def stopped_after(stage: str, **fields: Any) -> bool:
+        if stage != stop_after:
+            return False
+        outcome.update(outcome="stopped_after", stopped_after=stage,
+                       decision=f"stopped after {stage}, as asked: the test split was not read", **fields)
+        close_pipeline_run(ctx, status="FINISHED", outcome=outcome)
+        return True
+
     evaluation_sections = {"model": c.model, "data": c.data, "tools": c.tools, "grader": c.grader,
                            "rollout": c.rollout, "penalties": c.penalties}
     try:
@@ -136,9 +153,13 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict
                    traces=c.mlflow.traces_per_evaluation, work_dir=c.work_dir)
         if not base.passed:
             raise PipelineStopped(f"baseline gate failed: {base.reason}")
+        if stopped_after("baseline", baseline=base.metrics):
+            return outcome
         variants = run("prompt_optimization", prompt_optimization, c.model.base_model, **evaluation_sections,
                        options=c.prompt_optimization, seed=c.baseline.seed)
         outcome["prompt_optimization"] = {"best": variants.best_name, "verdict": variants.verdict}
+        if stopped_after("prompt_optimization"):
+            return outcome
         if not variants.rft_needed:
             outcome.update(outcome="rft_not_needed", decision=variants.verdict)
             close_pipeline_run(ctx, status="FINISHED", outcome=outcome)
@@ -148,6 +169,9 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict
                         log=logger.info):
             trained = run("rft_training", rft_training, c.model.base_model, **evaluation_sections,
                           training=c.training, mlflow=c.mlflow, variant=variants.best_variant, work_dir=c.work_dir)
+            if stopped_after("rft_training", candidate=trained.candidate.model_dump(), steps=trained.steps,
+                             final_metrics=trained.final_metrics):
+                return outcome
             champion = _champion_to_beat(ctx.tracking_uri, name, trained.candidate.model_uri)
             evaluation = run("regression_eval", regression_eval, c.model.base_model, trained.candidate, champion,
                              **evaluation_sections, promotion=c.promotion, variant=variants.best_variant,
@@ -167,6 +191,7 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict
         version=promoted.version,
         before_after=evaluation.before_after,
         score_gain=evaluation.score_gain,
+        test_readings=evaluation.readings,
         gates={name: gate.passed for name, gate in evaluation.gates.items()},
         figures={"regression": f"runs:/{evaluation.run_id}/tool_calls_before_after.png",
                  "training": f"runs:/{trained.run_id}/figures/reward_curve.png"},
@@ -176,10 +201,12 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None) -> dict
 
 
 @flow(name="agent-rft-pipeline", persist_result=True, log_prints=True)
-def agent_rft_pipeline(config: PipelineConfig, refresh: list[Stage] | None = None) -> dict[str, Any]:
-    """Validate data, baseline, prompt variants, GRPO, regression eval, promotion."""
+def agent_rft_pipeline(config: PipelineConfig, refresh: list[Stage] | None = None,
+                       stop_after: StopAfter | None = None) -> dict[str, Any]:
+    """Validate data, baseline, prompt variants, GRPO, regression eval, promotion (or the
+    stages up to `stop_after`, which never read the test split)."""
     try:
-        return run_stages(config, refresh)
+        return run_stages(config, refresh, stop_after)
     except PipelineStopped as exc:
         # A gate's verdict is an outcome, not a crash: the run ends FAILED ("Stopped") with
         # the gate's reason as its message, and no traceback in the logs.
@@ -199,9 +226,13 @@ def outcome_of(state: Any, what: str = "the pipeline") -> Any:
         raise AgentRFTError(f"{what} failed: {exc}") from None
 
 
-def pipeline_parameters(config: PipelineConfig, refresh: list[str] | None = None) -> dict[str, Any]:
+def pipeline_parameters(config: PipelineConfig, refresh: list[str] | None = None,
+                        stop_after: str | None = None) -> dict[str, Any]:
     """The flow's parameters for `config` (as a deployment or `run_deployment` takes them)."""
-    return {"config": config.model_dump(mode="json"), "refresh": list(refresh or [])}
+    if stop_after is not None and stop_after not in STOP_AFTER:
+        raise ConfigError(f"--stop-after {stop_after}: not one of {', '.join(STOP_AFTER)} (the stages before the "
+                          "test split is read)")
+    return {"config": config.model_dump(mode="json"), "refresh": list(refresh or []), "stop_after": stop_after}
 
 
 @flow(name="promote-model", persist_result=True, log_prints=True)

@@ -211,4 +211,5 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
         publish_summary(ctx, STAGE, run_id, markdown)
     before_after = {name: {"baseline": c["before"], "candidate": c["after"]} for name, c in vs_baseline["changes"].items()}
     return RegressionResult(run_id=run_id, gates=gates, score_gain=g, before_after=before_after,
-                            champion_version=champion["version"] if champion else None)
+                            champion_version=champion["version"] if champion else None,
+                            readings=found.sentence() if found is not None else None)

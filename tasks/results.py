@@ -79,6 +79,9 @@ class RegressionResult(BaseModel):
     score_gain: dict[str, float]
     before_after: dict[str, dict[str, float]]
     champion_version: str | None
+    # how many times this test split has been read, this reading included (the ledger's
+    # sentence); None without a ledger
+    readings: str | None = None
 
     @property
     def passed(self) -> bool:

@@ -70,8 +70,8 @@ def tool_server(config: Any, corpus_dir: Path, *, api_key: str | None = None) ->
                             "uses that port or change the port of tools.endpoints in the config") from None
 
 
-def run_demo(config: Any, refresh: list[str], *, log: Any = print) -> dict[str, Any]:
-    """Check the data and the model, serve the tools, run the pipeline."""
+def run_demo(config: Any, refresh: list[str], *, stop_after: str | None = None, log: Any = print) -> dict[str, Any]:
+    """Check the data and the model, serve the tools, run the pipeline (up to `stop_after`)."""
     from envs.finqa.demo_model import verify_model_pin
     from flows.pipeline import agent_rft_pipeline, outcome_of, pipeline_parameters
 
@@ -83,7 +83,7 @@ def run_demo(config: Any, refresh: list[str], *, log: Any = print) -> dict[str, 
     corpus = Path(config.data.train_file).parent / "corpus"
     with tool_server(config, corpus) as base_url:
         log(f"FinQA tool server: {base_url}")
-        state = agent_rft_pipeline(**pipeline_parameters(config, refresh), return_state=True)
+        state = agent_rft_pipeline(**pipeline_parameters(config, refresh, stop_after), return_state=True)
     outcome = outcome_of(state)
     outcome["wall_s"] = time.perf_counter() - started
     return outcome

@@ -30,6 +30,7 @@ import math
 import random
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -103,9 +104,24 @@ class BootstrapSettings:
 # --- 1. tokenizer ---------------------------------------------------------------------
 
 
-def tokenizer_texts(data_dir: Path, tools: list[dict[str, Any]]) -> Iterable[str]:
+def model_corpus(data_dir: Path, out: Path) -> Path:
+    """A copy of the corpus the model is built from: the pages of the 40 companies train and
+    validation ask about (`TICKERS`), without the test split's companies, so that the test
+    split reads pages the model never saw (and a rebuild reproduces the model built before
+    those companies existed). Returns `out`."""
+    from envs.finqa.generate import TICKERS
+
+    for ticker in TICKERS:
+        source = data_dir / "corpus" / "reports" / ticker
+        if not source.is_dir():
+            raise DataError(f"{source}: missing; regenerate the demo data (`agentrft data generate`)")
+        shutil.copytree(source, out / "reports" / ticker, dirs_exist_ok=True)
+    return out
+
+
+def tokenizer_texts(data_dir: Path, tools: list[dict[str, Any]], corpus: Path | None = None) -> Iterable[str]:
     """Corpus pages, questions and tool JSON: what the demo model will read and write."""
-    for page in sorted((data_dir / "corpus").rglob("*.txt")):
+    for page in sorted((corpus or data_dir / "corpus").rglob("*.txt")):
         yield page.read_text(encoding="utf-8")
     for name in ("train.jsonl",):
         with (data_dir / name).open(encoding="utf-8") as handle:
@@ -544,29 +560,13 @@ MODEL_DIR = Path(__file__).resolve().parent / "model"
 PIN_FILE = Path(__file__).resolve().parent / "model.pin.json"
 
 
-def bootstrap_demo_model(
-    data_dir: Path,
-    out: Path,
-    *,
-    settings: BootstrapSettings,
-    system_prompt: str,
-    log: Any = print,
-) -> Path:
-    """Build the demo base model from `data_dir` (train items, corpus) into `out`:
-    tokenizer, demonstrations against the real tool server, warm start. Returns `out`."""
-    from envs.finqa.generate import LINE_ITEMS, TICKERS
+def _demonstrations(data_dir: Path, corpus: Path, items: list[dict[str, Any]], settings: BootstrapSettings,
+                    system_prompt: str, log: Any) -> tuple[list, list]:
+    """The scripted demonstrations on `items` and on the held-out yardstick, against a real
+    tool server over `corpus`."""
     from envs.finqa.local import local_tool_endpoints
-    from envs.finqa.tiny_model import build_model, count_parameters, tiny_config
-    from envs.finqa.tokenizer import build_tokenizer
 
-    started = time.perf_counter()
-    items = read_items(data_dir / "train.jsonl", settings.max_items)
-    tools = items[0]["tools"]
-    log("demo model: training the tokenizer")
-    tokenizer = build_tokenizer(
-        tokenizer_texts(data_dir, tools), vocab_size=settings.vocab_size, extra_tokens=TICKERS
-    )
-    with local_tool_endpoints(data_dir / "corpus", max_output_chars=settings.max_output_chars) as endpoints:
+    with local_tool_endpoints(corpus, max_output_chars=settings.max_output_chars) as endpoints:
         log(f"demo model: {len(items) * settings.demos_per_item} demonstrations against the tool server")
         demos = asyncio.run(
             collect_demonstrations(
@@ -590,6 +590,36 @@ def bootstrap_demo_model(
                 max_output_chars=settings.max_output_chars,
             )
         )
+    return demos, held_out
+
+
+def bootstrap_demo_model(
+    data_dir: Path,
+    out: Path,
+    *,
+    settings: BootstrapSettings,
+    system_prompt: str,
+    log: Any = print,
+) -> Path:
+    """Build the demo base model from `data_dir` (train items, corpus) into `out`:
+    tokenizer, demonstrations against the real tool server, warm start. Returns `out`."""
+    from envs.finqa.generate import LINE_ITEMS, TICKERS
+    from envs.finqa.tiny_model import build_model, count_parameters, tiny_config
+    from envs.finqa.tokenizer import build_tokenizer
+
+    started = time.perf_counter()
+    items = read_items(data_dir / "train.jsonl", settings.max_items)
+    tools = items[0]["tools"]
+    scratch = Path(tempfile.mkdtemp(prefix="agentrft-model-corpus-"))
+    try:
+        corpus = model_corpus(data_dir, scratch / "corpus")
+        log("demo model: training the tokenizer")
+        tokenizer = build_tokenizer(
+            tokenizer_texts(data_dir, tools, corpus), vocab_size=settings.vocab_size, extra_tokens=TICKERS
+        )
+        demos, held_out = _demonstrations(data_dir, corpus, items, settings, system_prompt, log)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     demo_seconds = time.perf_counter() - started
     # What the assistant copies out of the question (the company, the line items) and the
     # plan it names (see plan_of), the decision its expression rests on.

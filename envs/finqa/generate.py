@@ -1,7 +1,10 @@
 """Deterministic FinQA-style demo data: a corpus of annual-report pages and QA items.
 
-The demo needs a FinQA-like task that runs with no download: 40 invented companies, 7
-annual reports each (2016-2022), 10 pages a report. Every page looks like a FinQA record
+The demo needs a FinQA-like task that runs with no download: 60 invented companies, 7
+annual reports each (2016-2022), 10 pages a report. Train and validation ask about 40 of
+them (`TICKERS`); the test split asks about the other 20 alone (`TEST_TICKERS`), companies
+no training item, no validation item and no earlier test item has read, whose pages the
+shipped model was never built from; production traffic asks about all 60. Every page looks like a FinQA record
 (a few sentences of pre-text, a small table in $ millions with the report year and the
 prior year, post-text) and covers one topic: statements of operations, balance sheet,
 cash flows, segments and so on. Each (ticker, report year, line item) sits on exactly one
@@ -43,6 +46,14 @@ TICKERS: list[str] = [
     "KESTA", "LUMQ", "MORVA", "NEXQ", "OPTRA", "PYLO", "QUARV", "RIZO", "SOLVQ", "TRAXO",
     "ULTRQ", "VANTO", "WYLD", "XERVA", "YORQ", "ZENTA", "AMBRO", "BELQ", "CYRA", "DORVO",
     "EQUO", "FALQ", "GRIVA", "HOLQ", "INVRA", "JEXO", "KORA", "LYNQ", "MAVRO", "NOLVA",
+]  # fmt: skip
+# The test split's companies, generated from their own random stream after the 40 above, so
+# the corpus pages of those and the train and validation items keep their bytes. The first
+# test split (one topic of each of the 40 companies) was read many times while the demo's
+# settings were chosen; it is retired, and these companies replaced it.
+TEST_TICKERS: list[str] = [
+    "ARLO", "BEXA", "CALDO", "DRAVE", "ESKO", "FENRA", "GOVA", "HEXO", "ISKRA", "JALVO",
+    "KIVA", "LORQ", "MERKA", "NUVO", "OXRA", "PELQ", "QIRA", "RUVA", "SKELD", "TOVRA",
 ]  # fmt: skip
 REPORT_YEARS: list[int] = list(range(2016, 2023))
 # Each report also shows the prior year, so the series start one year before the first report.
@@ -455,17 +466,23 @@ class _Corpus:
         self.pages: dict[str, str] = {}  # corpus-relative path -> text
         self.page_of: dict[tuple[str, int, str], str] = {}
         for ticker in TICKERS:
-            company = _build_company(rng)
-            self.companies[ticker] = company
-            for year in REPORT_YEARS:
-                # Topics land on different pages in each report, so the agent has to search.
-                order = list(range(len(TOPICS)))
-                rng.shuffle(order)
-                for page_number, topic_index in enumerate(order, start=1):
-                    path = f"reports/{ticker}/{year}/page_{page_number}.txt"
-                    self.pages[path] = self._page(rng, company, ticker, year, TOPICS[topic_index])
-                    for item in TOPICS[topic_index][1]:
-                        self.page_of[(ticker, year, item)] = path
+            self._add(rng, ticker)
+        test_rng = Random(f"{seed}/corpus/test-companies")
+        for ticker in TEST_TICKERS:
+            self._add(test_rng, ticker)
+
+    def _add(self, rng: Random, ticker: str) -> None:
+        company = _build_company(rng)
+        self.companies[ticker] = company
+        for year in REPORT_YEARS:
+            # Topics land on different pages in each report, so the agent has to search.
+            order = list(range(len(TOPICS)))
+            rng.shuffle(order)
+            for page_number, topic_index in enumerate(order, start=1):
+                path = f"reports/{ticker}/{year}/page_{page_number}.txt"
+                self.pages[path] = self._page(rng, company, ticker, year, TOPICS[topic_index])
+                for item in TOPICS[topic_index][1]:
+                    self.page_of[(ticker, year, item)] = path
 
     @staticmethod
     def _page(rng: Random, c: _Company, ticker: str, year: int, topic: tuple) -> str:
@@ -510,10 +527,12 @@ class _Corpus:
 # --- questions -----------------------------------------------------------------------
 
 
-def _draw_question(rng: Random, corpus: _Corpus, category: str) -> tuple[dict, set[tuple[str, int]]]:
-    """One question of a category (its text, program and the pages it needs) and the
-    (ticker, topic) units of the facts it reads."""
-    t = rng.choice(TICKERS)
+def _draw_question(
+    rng: Random, corpus: _Corpus, category: str, tickers: list[str]
+) -> tuple[dict, set[tuple[str, int]]]:
+    """One question of a category about one of `tickers` (its text, program and the pages
+    it needs) and the (ticker, topic) units of the facts it reads."""
+    t = rng.choice(tickers)
     c = corpus.companies[t]
     a = "" if category == "ratio" else rng.choice(LINE_ITEMS)
     percent = False
@@ -594,14 +613,18 @@ def assign_fact_units(seed: int) -> dict[tuple[str, int], str]:
     """Every (ticker, topic) pair, the unit of underlying facts, assigned to one split:
     the line items of a topic sit on one page of each report, so a split owns all the
     values (every year) of its units, and no company-year-line-item fact answers items in
-    two splits. Each company gives one topic to test, one to validation and the other
-    eight to train, so every split asks about every company, as production does."""
+    two splits. Each of the 40 `TICKERS` gives one topic to validation, eight to train and
+    one to the retired first test split ("retired": no split reads it any more); every
+    unit of the `TEST_TICKERS` belongs to the test split."""
     owner: dict[tuple[str, int], str] = {}
     for ticker in TICKERS:
         topics = list(range(len(TOPICS)))
         Random(f"{seed}/fact-units/{ticker}").shuffle(topics)
         for index, topic in enumerate(topics):
-            owner[(ticker, topic)] = "test" if index == 0 else "validation" if index == 1 else "train"
+            owner[(ticker, topic)] = "retired" if index == 0 else "validation" if index == 1 else "train"
+    for ticker in TEST_TICKERS:
+        for topic in range(len(TOPICS)):
+            owner[(ticker, topic)] = "test"
     return owner
 
 
@@ -615,13 +638,14 @@ def _split_items(
     drift: bool,
     seen: dict[str, None],
     units: set[tuple[str, int]] | None = None,
+    tickers: list[str] = TICKERS,
 ) -> list[dict]:
-    """`n` items in the category mix, unique by normalised question across all splits, and
-    (when `units` is given) reading only facts of those (ticker, topic) units."""
+    """`n` items in the category mix about `tickers`, unique by normalised question across
+    all splits, and (when `units` is given) reading only facts of those (ticker, topic) units."""
     items = []
     for category in _category_plan(rng, n, DRIFT_CATEGORY_MIX if drift else CATEGORY_MIX):
         for _ in range(20_000):
-            qa, reads = _draw_question(rng, corpus, category)
+            qa, reads = _draw_question(rng, corpus, category, tickers)
             if units is not None and not reads <= units:
                 continue
             if drift:
@@ -674,8 +698,9 @@ def generate_dataset(
 
     The three splits are disjoint by id, by normalised question and by underlying fact:
     each (ticker, topic) unit belongs to one split (`assign_fact_units`), so no company,
-    year and line item answers items in two of them. Production traffic is what users
-    ask: drawn from every unit, unique by question against the splits."""
+    year and line item answers items in two of them; the test split's companies are its
+    own. Production traffic is what users ask: drawn from every unit of all 60 companies,
+    unique by question against the splits."""
     out_dir = Path(out_dir)
     corpus = _Corpus(seed)
     for path, text in corpus.pages.items():
@@ -686,12 +711,13 @@ def generate_dataset(
     owner = assign_fact_units(seed)
     rng = Random(f"{seed}/questions/{'drift' if drift else 'production'}")
     seen: dict[str, None] = {}  # insertion-ordered, never iterated: only membership
-    sizes = {"train": n_train, "validation": n_validation, "test": n_test}
+    sizes = {"train": n_train, "validation": n_validation}
     splits = {
         name: _split_items(rng, corpus, size, drift, seen, {u for u, o in owner.items() if o == name})
         for name, size in sizes.items()
     }
-    traffic = _split_items(rng, corpus, n_traffic, drift, seen)
+    splits["test"] = _split_items(rng, corpus, n_test, drift, seen, tickers=TEST_TICKERS)
+    traffic = _split_items(rng, corpus, n_traffic, drift, seen, tickers=TICKERS + TEST_TICKERS)
 
     # Production traffic arrives over 90 days; ids follow arrival order.
     seconds = [rng.randrange(TRAFFIC_DAYS * 86400) for _ in traffic]

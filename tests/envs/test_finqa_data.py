@@ -21,6 +21,7 @@ from envs.finqa.finqa_format import infer_category, load_finqa_json
 from envs.finqa.generate import (
     LINE_ITEMS,
     REPORT_YEARS,
+    TEST_TICKERS,
     TICKERS,
     TOPIC_OF,
     TOPICS,
@@ -43,14 +44,16 @@ ITEM_KEYS = [
     "id", "messages", "tools", "question", "reference_answer", "exe_ans", "program",
     "category", "ticker", "year", "gold_pages",
 ]  # fmt: skip
-PIN = "d0e4a548ead0940b603a0229fff665fa"  # data.dvc's md5, as DVC computed it
+PIN = "1a532fae2c42663f2555861138fd260e"  # data.dvc's md5, as DVC computed it
+# train.jsonl and validation.jsonl as they were before the first test split was retired
+SPLIT_MD5 = {"train": "bce14e0250565025fb96a6e9840bfa18", "validation": "e1ac8fdccc18499169b28f43cfc991dc"}
 
 
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("finqa") / "data"
     counts = generate_dataset(out, seed=0)
-    assert counts == {"pages": 2800, "train": 2000, "validation": 250, "test": 250, "production_traffic": 4000}
+    assert counts == {"pages": 4200, "train": 2000, "validation": 250, "test": 250, "production_traffic": 4000}
     return out
 
 
@@ -222,7 +225,9 @@ def test_item_shape_and_category_mix(items):
             assert list(row)[: len(ITEM_KEYS)] == ITEM_KEYS
             assert row["messages"] == [{"role": "user", "content": row["question"]}]
             assert row["tools"] == TOOL_SCHEMAS
-            assert row["ticker"] in TICKERS and row["year"] in REPORT_YEARS
+            assert row["ticker"] in (TEST_TICKERS if split == "test" else TICKERS + TEST_TICKERS
+                                     if split == "production_traffic" else TICKERS)
+            assert row["year"] in REPORT_YEARS
             assert row["ticker"] in row["question"] and str(row["year"]) in row["question"]
     assert items["train"][0]["id"] == "train-00000"
     assert items["validation"][-1]["id"] == "validation-00249"
@@ -280,8 +285,8 @@ def test_gold_pages_exist_and_hold_the_program_numbers(items, generated):
 def test_corpus_has_each_line_item_on_exactly_one_page_per_report(generated):
     reports = generated / "corpus" / "reports"
     pages = sorted(reports.rglob("*.txt"))
-    assert len(pages) == len(TICKERS) * len(REPORT_YEARS) * 10 == 2800
-    assert sorted(p.name for p in reports.iterdir()) == sorted(TICKERS)
+    assert len(pages) == len(TICKERS + TEST_TICKERS) * len(REPORT_YEARS) * 10 == 4200
+    assert sorted(p.name for p in reports.iterdir()) == sorted(TICKERS + TEST_TICKERS)
     for report in [reports / "ACME" / "2016", reports / TICKERS[-1] / "2022"]:
         seen = Counter()
         for page in report.iterdir():
@@ -337,9 +342,11 @@ def facts_read(row: dict, corpus: Path) -> set[tuple[str, int, str]]:
 def test_splits_are_disjoint_by_underlying_fact(items, generated):
     owner = assign_fact_units(0)
     per_ticker = Counter((ticker, split) for (ticker, _), split in owner.items())
-    assert len(owner) == len(TICKERS) * len(TOPICS)
+    assert len(owner) == len(TICKERS + TEST_TICKERS) * len(TOPICS)
     for ticker in TICKERS:
-        assert (per_ticker[ticker, "test"], per_ticker[ticker, "validation"], per_ticker[ticker, "train"]) == (1, 1, 8)
+        assert (per_ticker[ticker, "retired"], per_ticker[ticker, "validation"], per_ticker[ticker, "train"]) == (1, 1, 8)
+    for ticker in TEST_TICKERS:
+        assert per_ticker[ticker, "test"] == len(TOPICS)
     facts = {split: set() for split in SPLITS[:3]}
     for split in SPLITS[:3]:
         for row in items[split]:
@@ -347,12 +354,31 @@ def test_splits_are_disjoint_by_underlying_fact(items, generated):
             assert read, row["id"]
             assert {owner[ticker, TOPIC_OF[item]] for ticker, _, item in read} == {split}, row["id"]
             facts[split] |= read
-        # Every split asks about every company, as production does.
-        assert {row["ticker"] for row in items[split]} == set(TICKERS)
+        # Train and validation ask about each of their companies; the test split about each of its own.
+        assert {row["ticker"] for row in items[split]} == set(TEST_TICKERS if split == "test" else TICKERS)
     assert not facts["train"] & facts["validation"]
     assert not facts["train"] & facts["test"]
     assert not facts["validation"] & facts["test"]
     assert assign_fact_units(1) != owner  # the assignment follows the seed
+
+
+def test_the_test_split_is_fresh_and_train_and_validation_kept_their_bytes(items, generated, tmp_path):
+    """The first test split was read many times while the demo was tuned: it is retired, and
+    the test split asks about companies of its own, whose facts no other split (and not the
+    retired one) reads and whose pages the shipped model was not built from."""
+    import hashlib
+
+    from envs.finqa.demo_model import model_corpus
+
+    for split, md5 in SPLIT_MD5.items():
+        assert hashlib.md5((generated / f"{split}.jsonl").read_bytes()).hexdigest() == md5, split
+    test_tickers = {ticker for row in items["test"] for ticker, _, _ in facts_read(row, generated / "corpus")}
+    assert test_tickers == set(TEST_TICKERS) and not test_tickers & set(TICKERS)
+    # Production asks about every company, the test split's too.
+    assert {row["ticker"] for row in items["production_traffic"]} == set(TICKERS + TEST_TICKERS)
+    built_from = model_corpus(generated, tmp_path / "corpus")
+    assert sorted(p.name for p in (built_from / "reports").iterdir()) == sorted(TICKERS)
+    assert files_of(built_from / "reports" / "ACME") == files_of(generated / "corpus" / "reports" / "ACME")
 
 
 def test_traffic_is_timestamped_in_order_over_90_days(items):

@@ -34,6 +34,8 @@ def test_demo_command_on_a_micro_preset(harness, world, endpoints, taught_model,
     printed = capsys.readouterr().out
     assert "before / after (same test items and seeds)" in printed
     assert "score gain on the test split" in printed and "outcome: " in printed
+    assert "relative change" in printed and "(paired item bootstrap, one training run;" in printed
+    assert "This test split (sha256 " in printed and "has been read " in printed  # the ledger's count
     assert "figure (regression): runs:/" in printed and "agentrft ui" in printed and "demo wall time" in printed
 
 

@@ -153,6 +153,25 @@ def test_unchanged_second_run_is_served_from_cache(first_run, world, endpoints, 
     assert len(client.search_model_versions("name = 'micro-agent'")) == 1
 
 
+def test_a_run_stopped_after_training_never_reads_the_test_split(first_run, world, endpoints, taught_model):
+    """`stop_after: rft_training` (`agentrft run --stop-after`): the candidate, its validation
+    figure, and no regression stage, no reading in the ledger, no new registry version."""
+    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
+
+    config, first = first_run
+    readings = len(read_jsonl(Path(config.data.test_ledger)))
+    stopped = agent_rft_pipeline(**pipeline_parameters(config, stop_after="rft_training"))
+    assert stopped["outcome"] == "stopped_after" and stopped["stopped_after"] == "rft_training", stopped
+    assert list(stopped["stages"]) == STAGE_NAMES[:4]
+    assert stopped["stages"]["rft_training"]["run_id"] == first["stages"]["rft_training"]["run_id"]
+    assert stopped["candidate"]["model_uri"].startswith("models:/") and stopped["candidate"]["score"] is not None
+    assert len(read_jsonl(Path(config.data.test_ledger))) == readings
+    client = mlflow_client(config.mlflow.tracking_uri)
+    parent = client.get_run(stopped["parent_run_id"])
+    assert parent.info.status == "FINISHED" and "stage.regression_eval.run_id" not in parent.data.tags
+    assert len(client.search_model_versions("name = 'micro-agent'")) == 1
+
+
 def test_worse_candidate_is_never_champion_and_rollback_works(first_run, world, endpoints, taught_model):
     from flows.pipeline import agent_rft_pipeline, pipeline_parameters, promote_model
 
