@@ -1,8 +1,8 @@
 """How the pipeline records itself in MLflow (and mirrors a summary to Prefect).
 
-One parent run per pipeline run; one nested run per stage, named as in DESIGN.md. Every
-run carries the same tags (git commit, data md5, config hash, Prefect flow-run id and UI
-URL) and the config flattened as params. Everything goes through `MlflowClient` with the
+One parent run per pipeline run; one nested run per stage, named after its stage
+(docs/architecture.md). Every run carries the same tags (git commit, data md5, config
+hash, Prefect flow-run id and UI URL) and the config flattened as params. Everything goes through `MlflowClient` with the
 run id named explicitly: MLflow's fluent "active run" is per thread, and Prefect runs
 tasks on other threads, so ids travel as plain strings in a `RunContext`.
 """

@@ -2,7 +2,7 @@
 
 The trainer (`agentrft train`) runs as its own process group under Accelerate, with the
 process count, mixed precision or accelerate config file from the config, so the same
-stage runs one CPU process here and DDP/FSDP/DeepSpeed on GPUs. The stage hands it the
+stage runs one CPU process here and DDP or FSDP2 on GPUs (`training.distributed`). The stage hands it the
 MLflow run id (the trainer logs `train/...` and `eval/...` to it directly), forwards its
 progress to the Prefect log, and on failure fails with the tail of its stderr. The output
 folder is named by what it trains and the trainer always starts with `--resume`: a Prefect

@@ -27,7 +27,7 @@ to a worker thread, so HTTP tool calls of waiting rollouts proceed while the oth
 decoding: a rollout that waits on a tool leaves the batch and rejoins with only the tool
 output's tokens to pre-fill, because the backend keeps its KV cache across turns.
 
-Every rollout yields a `RolloutRecord` (DESIGN.md) with its `trace_id` (the same for all
+Every rollout yields a `RolloutRecord` (docs/architecture.md) with its `trace_id` (the same for all
 tool calls of the rollout), its status, score, reward and penalties, and, for training,
 the token ids, the mask of model-generated tokens and their sampling log-probabilities.
 Infrastructure failures mark the rollout `infra_error` and leave `score` as None: they

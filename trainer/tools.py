@@ -271,7 +271,7 @@ class ToolClient:
     each item's own `tools` field instead, as OpenAI RFT rows carry them.
 
     Retries: `max_retries` is the number of attempts *in all*, the first one included
-    (DESIGN: "retried with backoff (3 tries)"), so the default sends at most 3 requests.
+    (retried with backoff), so the default, 3, sends at most 3 requests.
     Between attempts it waits `backoff_s * 2**(attempt-1)`, scaled by a jitter factor in
     [0.5, 1) drawn from a RNG seeded with `seed`, so that concurrent rollouts do not
     retry in lockstep and runs stay reproducible; or, when the answer carried
