@@ -17,6 +17,11 @@ dataset:
   (the grader's `{{item.*}}` fields, `tools` when the rows carry the tool schemas);
 - unique ids when production rows carry ids.
 
+Fields that move with time (`time_fields`: a report year, a fiscal period) keep their type
+check only: a temporal hold-out (a test split of later periods than training's) differs
+from earlier data there by design, and production's newest traffic does too. The demo's
+suite names `year` (its test split asks about later reports than train and validation).
+
 A check applies to whichever fields a dataset has (a production-only field such as a
 timestamp is skipped, and listed as skipped); distribution checks need
 `distribution_min_rows` rows. KL bounds grow with the number of categories or bins: the
@@ -148,9 +153,10 @@ def _categorical(values: list[Any]) -> bool:
 
 
 def derive_suite(traffic_path: Path, *, name: str = "production_traffic",
-                 required: list[str] | None = None) -> dict[str, Any]:
+                 required: list[str] | None = None, time_fields: list[str] | None = None) -> dict[str, Any]:
     """The suite (GX's JSON layout) describing a production traffic log; `required` names
-    the fields every item must carry besides `messages`."""
+    the fields every item must carry besides `messages`; `time_fields` are checked for
+    their type alone (no range, quantiles or mix)."""
     traffic_path = Path(traffic_path)
     numbered = read_numbered(traffic_path)
     if not numbered:
@@ -160,6 +166,10 @@ def derive_suite(traffic_path: Path, *, name: str = "production_traffic",
         raise DataError(f"{traffic_path}: no row has a `messages` list (OpenAI RFT format); the suite is derived "
                         "from the messages production sends")
     fields = list(dict.fromkeys(key for _, row in numbered for key in row))
+    unknown = sorted(set(time_fields or []) - set(fields))
+    if unknown:
+        raise DataError(f"{traffic_path}: time fields {unknown} are in no row of the traffic log (its fields: "
+                        f"{fields}); name fields the rows carry")
     expectations: list[dict[str, Any]] = []
 
     def expect(kind: str, why: str, **kwargs: Any) -> None:
@@ -213,7 +223,7 @@ def derive_suite(traffic_path: Path, *, name: str = "production_traffic",
         expect("expect_column_values_to_be_in_set", "only the tool sets production offers", column="tools.names",
                value_set=sorted(set(column("tools.names"))))
     for key in fields:
-        if key in ("messages", "tools", "id"):
+        if key in ("messages", "tools", "id", *(time_fields or [])):
             continue
         values = column(key)
         kinds = {_type_name(v) for v in values}
@@ -235,6 +245,7 @@ def derive_suite(traffic_path: Path, *, name: str = "production_traffic",
             "derived_from": {"path": traffic_path.as_posix(), "rows": len(rows),
                              "md5": hashlib.md5(traffic_path.read_bytes(), usedforsecurity=False).hexdigest()},
             "thresholds": dict(THRESHOLDS),
+            "time_fields": list(time_fields or []),
         },
     }
     return suite
@@ -360,6 +371,7 @@ def load_suite(root: Path, name: str) -> Any:
         ) from None
 
 
-def derive_and_save(traffic: Path, root: Path, *, name: str, required: list[str]) -> Path:
+def derive_and_save(traffic: Path, root: Path, *, name: str, required: list[str],
+                    time_fields: list[str] | None = None) -> Path:
     """`agentrft expectations derive`: derive the suite and store it with its checkpoint."""
-    return save_suite(root, derive_suite(traffic, name=name, required=required))
+    return save_suite(root, derive_suite(traffic, name=name, required=required, time_fields=time_fields))

@@ -105,17 +105,18 @@ class BootstrapSettings:
 
 
 def model_corpus(data_dir: Path, out: Path) -> Path:
-    """A copy of the corpus the model is built from: the pages of the 40 companies train and
-    validation ask about (`TICKERS`), without the test split's companies, so that the test
-    split reads pages the model never saw (and a rebuild reproduces the model built before
-    those companies existed). Returns `out`."""
-    from envs.finqa.generate import TICKERS
+    """A copy of the corpus the model is built from: the reports train and validation ask
+    about (`REPORT_YEARS`), without the test split's later reports, so that the test split
+    reads pages the model never saw (and a rebuild reproduces the model built before those
+    reports existed). Returns `out`."""
+    from envs.finqa.generate import REPORT_YEARS, TICKERS
 
     for ticker in TICKERS:
-        source = data_dir / "corpus" / "reports" / ticker
-        if not source.is_dir():
-            raise DataError(f"{source}: missing; regenerate the demo data (`agentrft data generate`)")
-        shutil.copytree(source, out / "reports" / ticker, dirs_exist_ok=True)
+        for year in REPORT_YEARS:
+            source = data_dir / "corpus" / "reports" / ticker / str(year)
+            if not source.is_dir():
+                raise DataError(f"{source}: missing; regenerate the demo data (`agentrft data generate`)")
+            shutil.copytree(source, out / "reports" / ticker / str(year), dirs_exist_ok=True)
     return out
 
 

@@ -189,6 +189,8 @@ def corpus_pages(corpus_dir: Path) -> list[tuple[str, Path]]:
             file = Path(dirpath) / name
             if name.startswith(".") or file.is_symlink() or not file.is_file():
                 continue
+            if name == "periods.json" and Path(dirpath) == Path(corpus_dir):  # the corpus's filing periods
+                continue
             pages.append((file.relative_to(corpus_dir).as_posix(), file))
     pages.sort()
     return pages
@@ -394,9 +396,11 @@ class SearchIndex:
             texts=(data.decode("utf-8", "replace") for data in raw),
         )
 
-    def search(self, query: str, top_k: int = 5) -> list[SearchHit]:
-        """The `top_k` pages most similar to `query`, best first, with a snippet each."""
-        if not self.paths or top_k < 1:
+    def search(self, query: str, top_k: int = 5, allowed: np.ndarray | None = None) -> list[SearchHit]:
+        """The `top_k` pages most similar to `query`, best first, with a snippet each;
+        `allowed` (one bool a page) keeps the others out, ranked as an index of the allowed
+        pages alone would rank them (every score is the page's own)."""
+        if not self.paths or top_k < 1 or (allowed is not None and not allowed.any()):
             return []
         q = self._queries.encode(query)
         scores = self.embeddings @ q
@@ -412,7 +416,9 @@ class SearchIndex:
         }
         for phrase in phrases & self._pages_with_label.keys():
             scores[self._pages_with_label[phrase]] += ROW_LABEL_BOOST
-        k = min(top_k, len(scores))
+        if allowed is not None:
+            scores[~allowed] = -np.inf
+        k = min(top_k, len(scores) if allowed is None else int(allowed.sum()))
         top = np.argpartition(-scores, k - 1)[:k]
         top = top[np.argsort(-scores[top], kind="stable")]
         return [

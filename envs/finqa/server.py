@@ -11,6 +11,13 @@ model as the tool's answer; 5xx is the server's. Every call of a rollout shares 
 `trace_id`; the server keeps each trace's calls (bounded, least recently used traces go
 first) and `GET /traces/<trace_id>` shows what the model did.
 
+A corpus may declare filing periods (`periods.json` at its root, `{"periods": [[2016,
+2022], [2023, 2027]]}`): a call whose item has a `year` inside a period sees that period's
+reports alone (search ranks them as an index of those pages would, `list` and `cat` do not
+show the others), so one server holds the demo's earlier filings, which train and
+validation ask about, and the later ones its test split asks about, without either
+distracting the other. An item without a year, or outside every period, sees everything.
+
 `POST /grade` is an endpoint grader (`{"sample", "item", "trace_id"}` -> `{"score"}`):
 the project's numeric grader, partial credit against `item.reference_answer`.
 
@@ -36,6 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
+import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -112,38 +120,72 @@ def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
+def path_year(path: str) -> int | None:
+    """The report year a corpus path lies under (its first four-digit part), if any."""
+    return next((int(part) for part in PurePosixPath(path).parts if re.fullmatch(r"\d{4}", part)), None)
+
+
+def read_periods(corpus_dir: Path) -> list[tuple[int, int]]:
+    """The corpus's filing periods (`periods.json`), [] when it declares none."""
+    file = Path(corpus_dir) / "periods.json"
+    if not file.is_file():
+        return []
+    try:
+        periods = [(int(first), int(last)) for first, last in json.loads(file.read_text())["periods"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{file}: expected {{\"periods\": [[first_year, last_year], ...]}} ({exc})") from None
+    return periods
+
+
 class CorpusTools:
     """The four tools over one corpus directory; each returns the output text or raises
-    ToolError."""
+    ToolError. With `periods`, an item's `year` scopes search, list and cat to its period."""
 
-    def __init__(self, corpus_dir: Path, index: SearchIndex, max_output_chars: int):
+    def __init__(self, corpus_dir: Path, index: SearchIndex, max_output_chars: int,
+                 periods: list[tuple[int, int]] | None = None):
         self.root = Path(corpus_dir).resolve()
         self.index = index
         self.max_output_chars = max_output_chars
+        self.periods = list(periods or [])
+        years = [path_year(path) for path in index.paths]
+        self._allowed = {period: np.array([year is None or period[0] <= year <= period[1] for year in years])
+                         for period in self.periods}
 
-    def run(self, name: str, args: dict[str, Any]) -> str:
+    def period_of(self, item: dict[str, Any] | None) -> tuple[int, int] | None:
+        year = (item or {}).get("year")
+        if isinstance(year, int) and not isinstance(year, bool):
+            return next((period for period in self.periods if period[0] <= year <= period[1]), None)
+        return None
+
+    def run(self, name: str, args: dict[str, Any], item: dict[str, Any] | None = None) -> str:
+        period = self.period_of(item)
         match name:
             case "search":
-                output = self.search(args["query"], args.get("top_k", 3))
+                output = self.search(args["query"], args.get("top_k", 3), period)
             case "list":
-                output = self.list(args["path"])
+                output = self.list(args["path"], period)
             case "cat":
-                output = self.cat(args["path"])
+                output = self.cat(args["path"], period)
             case "calculator":
                 output = self.calculator(args["expression"])
             case _:
                 raise ToolError(404, f"unknown tool {name!r}")
         return truncate(output, self.max_output_chars)
 
-    def search(self, query: str, top_k: int) -> str:
-        hits = self.index.search(query, top_k)
+    def search(self, query: str, top_k: int, period: tuple[int, int] | None = None) -> str:
+        hits = self.index.search(query, top_k, None if period is None else self._allowed[period])
         if not hits:
             return "no pages found"
         return "\n".join(f"{hit.path} | {hit.score:.2f} | {hit.snippet}" for hit in hits)
 
-    def list(self, path: str) -> str:
+    @staticmethod
+    def _outside(relative: str, period: tuple[int, int] | None) -> bool:
+        year = path_year(relative)
+        return period is not None and year is not None and not period[0] <= year <= period[1]
+
+    def list(self, path: str, period: tuple[int, int] | None = None) -> str:
         directory = self.resolve(path)
-        if not directory.exists():
+        if not directory.exists() or self._outside(directory.relative_to(self.root).as_posix(), period):
             raise ToolError(404, f"no such directory {path!r}; try list with path 'reports'")
         if not directory.is_dir():
             raise ToolError(400, f"{path!r} is a page, not a directory; use cat to read it")
@@ -151,15 +193,18 @@ class CorpusTools:
         for child in sorted(directory.iterdir(), key=lambda p: _natural_key(p.name)):
             if child.name.startswith(".") or not child.resolve().is_relative_to(self.root):
                 continue
+            if self._outside(child.relative_to(self.root).as_posix(), period) or child.name == "periods.json":
+                continue
             # Names relative to the listed directory: compact, as `ls` prints them.
             lines.append(f"{child.name}/" if child.is_dir() else child.name)
         return "\n".join(lines) if lines else f"{path!r} is empty"
 
-    def cat(self, path: str) -> str:
+    def cat(self, path: str, period: tuple[int, int] | None = None) -> str:
         page = self.resolve(path)
-        if page.is_dir():
+        outside = self._outside(page.relative_to(self.root).as_posix(), period)
+        if page.is_dir() and not outside:
             raise ToolError(400, f"{path!r} is a directory; use list to see its pages")
-        if not page.is_file():
+        if not page.is_file() or outside:
             raise ToolError(404, f"no such page {path!r}; use search or list to find pages")
         return page.read_text(encoding="utf-8", errors="replace")
 
@@ -331,7 +376,7 @@ def create_app(
         index = SearchIndex.from_corpus(
             corpus_dir, cache_dir=index_cache_dir, max_seq_length=max_seq_length
         )
-    tools = CorpusTools(corpus_dir, index, max_output_chars)
+    tools = CorpusTools(corpus_dir, index, max_output_chars, read_periods(corpus_dir))
     traces = TraceStore(max_traces)
     injector = FaultInjector(faults) if faults is not None else None
 
@@ -414,7 +459,7 @@ def create_app(
                 await asyncio.sleep(injector.config.slow_ms / 1000)
 
         try:
-            output = await run_in_threadpool(tools.run, name, arguments)
+            output = await run_in_threadpool(tools.run, name, arguments, call.item)
         except ToolError as exc:
             return answer(exc.status_code, error=exc.message)
         except Exception as exc:  # a bug in a tool must not take the server down

@@ -21,7 +21,7 @@ from envs.finqa.finqa_format import infer_category, load_finqa_json
 from envs.finqa.generate import (
     LINE_ITEMS,
     REPORT_YEARS,
-    TEST_TICKERS,
+    TEST_YEARS,
     TICKERS,
     TOPIC_OF,
     TOPICS,
@@ -44,7 +44,7 @@ ITEM_KEYS = [
     "id", "messages", "tools", "question", "reference_answer", "exe_ans", "program",
     "category", "ticker", "year", "gold_pages",
 ]  # fmt: skip
-PIN = "1a532fae2c42663f2555861138fd260e"  # data.dvc's md5, as DVC computed it
+PIN = "51d6fff4f52a2473ffeb9c1fc0b5ce8b"  # data.dvc's md5, as DVC computed it
 # train.jsonl and validation.jsonl as they were before the first test split was retired
 SPLIT_MD5 = {"train": "bce14e0250565025fb96a6e9840bfa18", "validation": "e1ac8fdccc18499169b28f43cfc991dc"}
 
@@ -53,7 +53,7 @@ SPLIT_MD5 = {"train": "bce14e0250565025fb96a6e9840bfa18", "validation": "e1ac8fd
 def generated(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("finqa") / "data"
     counts = generate_dataset(out, seed=0)
-    assert counts == {"pages": 4200, "train": 2000, "validation": 250, "test": 250, "production_traffic": 4000}
+    assert counts == {"pages": 4800, "train": 2000, "validation": 250, "test": 250, "production_traffic": 4000}
     return out
 
 
@@ -225,9 +225,9 @@ def test_item_shape_and_category_mix(items):
             assert list(row)[: len(ITEM_KEYS)] == ITEM_KEYS
             assert row["messages"] == [{"role": "user", "content": row["question"]}]
             assert row["tools"] == TOOL_SCHEMAS
-            assert row["ticker"] in (TEST_TICKERS if split == "test" else TICKERS + TEST_TICKERS
-                                     if split == "production_traffic" else TICKERS)
-            assert row["year"] in REPORT_YEARS
+            assert row["ticker"] in TICKERS
+            assert row["year"] in (TEST_YEARS if split == "test" else REPORT_YEARS + TEST_YEARS
+                                   if split == "production_traffic" else REPORT_YEARS)
             assert row["ticker"] in row["question"] and str(row["year"]) in row["question"]
     assert items["train"][0]["id"] == "train-00000"
     assert items["validation"][-1]["id"] == "validation-00249"
@@ -285,9 +285,10 @@ def test_gold_pages_exist_and_hold_the_program_numbers(items, generated):
 def test_corpus_has_each_line_item_on_exactly_one_page_per_report(generated):
     reports = generated / "corpus" / "reports"
     pages = sorted(reports.rglob("*.txt"))
-    assert len(pages) == len(TICKERS + TEST_TICKERS) * len(REPORT_YEARS) * 10 == 4200
-    assert sorted(p.name for p in reports.iterdir()) == sorted(TICKERS + TEST_TICKERS)
-    for report in [reports / "ACME" / "2016", reports / TICKERS[-1] / "2022"]:
+    assert len(pages) == len(TICKERS) * len(REPORT_YEARS + TEST_YEARS) * 10 == 4800
+    assert sorted(p.name for p in reports.iterdir()) == sorted(TICKERS)
+    for report in [reports / "ACME" / "2016", reports / TICKERS[-1] / "2022", reports / "ACME" / "2023",
+                   reports / TICKERS[-1] / "2027"]:
         seen = Counter()
         for page in report.iterdir():
             text = page.read_text(encoding="utf-8")
@@ -339,23 +340,41 @@ def facts_read(row: dict, corpus: Path) -> set[tuple[str, int, str]]:
     return facts
 
 
+def needed_facts(row: dict, corpus: Path) -> set[tuple[str, int, str]]:
+    """The facts an item's program reads: the figures on its gold pages whose printed value
+    is one of the program's operands. A test item's gold page of 2023 also shows 2022 (the
+    prior-year column), which it does not need."""
+    operands = set(re.findall(r"(?<![#\w])\d+(?:\.\d+)?", row["program"]))
+    facts = set()
+    for page in row["gold_pages"]:
+        _, ticker, report, _ = page.split("/")
+        for line in (corpus / page).read_text(encoding="utf-8").splitlines():
+            if " | " in line and not line.startswith("(in $ millions)"):
+                item, now, prior = line.split(" | ")
+                facts |= {(ticker, year, item) for year, value in ((int(report), now), (int(report) - 1, prior))
+                          if value in operands and item in row["question"]}
+    return facts
+
+
 def test_splits_are_disjoint_by_underlying_fact(items, generated):
     owner = assign_fact_units(0)
     per_ticker = Counter((ticker, split) for (ticker, _), split in owner.items())
-    assert len(owner) == len(TICKERS + TEST_TICKERS) * len(TOPICS)
+    assert len(owner) == len(TICKERS) * len(TOPICS)
     for ticker in TICKERS:
         assert (per_ticker[ticker, "retired"], per_ticker[ticker, "validation"], per_ticker[ticker, "train"]) == (1, 1, 8)
-    for ticker in TEST_TICKERS:
-        assert per_ticker[ticker, "test"] == len(TOPICS)
     facts = {split: set() for split in SPLITS[:3]}
     for split in SPLITS[:3]:
         for row in items[split]:
-            read = facts_read(row, generated / "corpus")
+            read = needed_facts(row, generated / "corpus") if split == "test" else facts_read(row, generated / "corpus")
             assert read, row["id"]
-            assert {owner[ticker, TOPIC_OF[item]] for ticker, _, item in read} == {split}, row["id"]
+            if split == "test":  # the test split owns every figure of the later reports
+                assert {year for _, year, _ in read} <= set(TEST_YEARS), row["id"]
+            else:
+                assert {owner[ticker, TOPIC_OF[item]] for ticker, _, item in read} == {split}, row["id"]
+                assert {year for _, year, _ in read} <= {REPORT_YEARS[0] - 1, *REPORT_YEARS}, row["id"]
             facts[split] |= read
-        # Train and validation ask about each of their companies; the test split about each of its own.
-        assert {row["ticker"] for row in items[split]} == set(TEST_TICKERS if split == "test" else TICKERS)
+        # Every split asks about each company.
+        assert {row["ticker"] for row in items[split]} == set(TICKERS)
     assert not facts["train"] & facts["validation"]
     assert not facts["train"] & facts["test"]
     assert not facts["validation"] & facts["test"]
@@ -363,22 +382,24 @@ def test_splits_are_disjoint_by_underlying_fact(items, generated):
 
 
 def test_the_test_split_is_fresh_and_train_and_validation_kept_their_bytes(items, generated, tmp_path):
-    """The first test split was read many times while the demo was tuned: it is retired, and
-    the test split asks about companies of its own, whose facts no other split (and not the
-    retired one) reads and whose pages the shipped model was not built from."""
+    """The first test split was read many times while the demo was tuned, the second asked
+    about companies the shipped model cannot spell: both are retired, and the test split
+    asks about the later reports alone, whose figures no other split reads and whose pages
+    the shipped model was not built from."""
     import hashlib
 
     from envs.finqa.demo_model import model_corpus
 
     for split, md5 in SPLIT_MD5.items():
         assert hashlib.md5((generated / f"{split}.jsonl").read_bytes()).hexdigest() == md5, split
-    test_tickers = {ticker for row in items["test"] for ticker, _, _ in facts_read(row, generated / "corpus")}
-    assert test_tickers == set(TEST_TICKERS) and not test_tickers & set(TICKERS)
-    # Production asks about every company, the test split's too.
-    assert {row["ticker"] for row in items["production_traffic"]} == set(TICKERS + TEST_TICKERS)
+    test_years = {year for row in items["test"] for _, year, _ in needed_facts(row, generated / "corpus")}
+    assert test_years == set(TEST_YEARS)
+    # Production asks about every report year, the test split's too.
+    assert {row["year"] for row in items["production_traffic"]} == set(REPORT_YEARS + TEST_YEARS)
     built_from = model_corpus(generated, tmp_path / "corpus")
-    assert sorted(p.name for p in (built_from / "reports").iterdir()) == sorted(TICKERS)
-    assert files_of(built_from / "reports" / "ACME") == files_of(generated / "corpus" / "reports" / "ACME")
+    assert sorted(p.name for p in (built_from / "reports" / "ACME").iterdir()) == [str(y) for y in REPORT_YEARS]
+    assert files_of(built_from / "reports" / "ACME" / "2022") == files_of(
+        generated / "corpus" / "reports" / "ACME" / "2022")
 
 
 def test_traffic_is_timestamped_in_order_over_90_days(items):

@@ -503,3 +503,62 @@ def test_search_prefers_the_page_whose_table_has_the_row_and_the_years_named(tmp
         assert hit.score == pytest.approx(expected, abs=1e-5)
     assert top.snippet.endswith("long-term debt | 11 | 10")
     assert index.search("ACME 2021 inventories", top_k=1)[0].path == "reports/ACME/2021/page_1.txt"
+
+
+# --- filing periods ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def periods_url(tmp_path_factory):
+    """The pages above, declared as two filing periods: 2019, and 2020-2021."""
+    root = tmp_path_factory.mktemp("periods") / "corpus"
+    for rel, text in PAGES.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (root / "periods.json").write_text(json.dumps({"periods": [[2019, 2019], [2020, 2021]]}))
+    app = create_app(root, index_cache_dir=tmp_path_factory.mktemp("periods_cache"))
+    with serve_in_thread(app) as url:
+        yield url, root, app
+
+
+def _paths(output: str) -> set[str]:
+    return {line.split(" | ")[0] for line in output.splitlines()}
+
+
+def test_an_items_year_scopes_every_tool_to_its_filing_period(client, periods_url):
+    url, _, _ = periods_url
+    early, late = {"id": "a", "year": 2019}, {"id": "b", "year": 2021}
+    query = {"query": "net revenue annual report", "top_k": 10}
+    assert {path.split("/")[2] for path in _paths(call(client, url, "search", query, item=early).json()["output"])} \
+        == {"2019"}
+    assert {path.split("/")[2] for path in _paths(call(client, url, "search", query, item=late).json()["output"])} \
+        == {"2020", "2021"}
+    # without a year (or outside every period) an item sees the whole corpus
+    assert len(_paths(call(client, url, "search", query, item={"id": "c"}).json()["output"])) == 10
+    assert call(client, url, "list", {"path": "reports/ACME"}, item=early).json()["output"] == "2019/"
+    assert call(client, url, "list", {"path": "reports/ACME"}, item=late).json()["output"] == "2020/"
+    assert call(client, url, "list", {"path": "reports/ACME"}, item={"id": "c"}).json()["output"] == "2019/\n2020/"
+    hidden = call(client, url, "cat", {"path": "reports/ACME/2020/page_1.txt"}, item=early)
+    assert hidden.status_code == 404 and "no such page" in hidden.json()["output"]
+    assert call(client, url, "list", {"path": "reports/ACME/2019"}, item=late).status_code == 404
+    assert "pandemic" in call(client, url, "cat", {"path": "reports/ACME/2020/page_1.txt"}, item=late).json()["output"]
+    # the periods file is the server's, not a page
+    assert "periods.json" not in call(client, url, "list", {"path": "."}, item={"id": "c"}).json()["output"]
+
+
+def test_a_scoped_search_ranks_as_an_index_of_the_periods_pages_alone(periods_url, tmp_path):
+    from envs.finqa.server import path_year
+
+    _, root, _ = periods_url
+    alone = tmp_path / "corpus"
+    for rel, text in PAGES.items():
+        if path_year(rel) == 2019:
+            (alone / rel).parent.mkdir(parents=True, exist_ok=True)
+            (alone / rel).write_text(text)
+    whole = SearchIndex.from_corpus(root, cache_dir=tmp_path / "cache")
+    assert "periods.json" not in whole.paths
+    allowed = np.array([path_year(path) == 2019 for path in whole.paths])
+    only = SearchIndex.from_corpus(alone, cache_dir=tmp_path / "cache")
+    for query in ("net revenue", "share repurchase program", "capital expenditures wind"):
+        assert [(h.path, round(h.score, 5)) for h in whole.search(query, 4, allowed)] == \
+            [(h.path, round(h.score, 5)) for h in only.search(query, 4)]

@@ -27,7 +27,8 @@ NUMERIC = {"type": "numeric", "name": "answer", "input": "{{sample.output_text}}
 @pytest.fixture(scope="module")
 def context(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("gx") / "expectations"
-    derive_and_save(demo_data_dir / "production_traffic.jsonl", root, name="traffic", required=["reference_answer"])
+    derive_and_save(demo_data_dir / "production_traffic.jsonl", root, name="traffic", required=["reference_answer"],
+                    time_fields=["year"])  # the demo's test split asks about later reports
     return root
 
 
@@ -54,7 +55,7 @@ def test_committed_suite_is_derived_from_the_pinned_traffic(repo_root, demo_data
     monkeypatch.chdir(repo_root)  # the suite records the traffic path as given: relative
     config = load_config("envs/finqa/demo.yaml")
     derived = derive_suite(Path("data/production_traffic.jsonl"), name="production_traffic",
-                           required=required_fields(config))
+                           required=required_fields(config), time_fields=["year"])
     committed = json.loads(Path("expectations/expectations/production_traffic.json").read_text())
     assert [(e["type"], e["kwargs"]) for e in committed["expectations"]] == \
         [(e["type"], e["kwargs"]) for e in derived["expectations"]]
@@ -66,6 +67,9 @@ def test_committed_suite_is_derived_from_the_pinned_traffic(repo_root, demo_data
     assert ("expect_column_kl_divergence_to_be_less_than", "category") in kinds  # low cardinality
     assert ("expect_column_values_to_be_in_set", "tools.names") in kinds
     assert ("expect_column_to_exist", "timestamp") not in kinds  # production-only: never required
+    # the report year moves with time (the test split asks about later reports): its type alone
+    assert {kind for kind, column in kinds if column == "year"} == {"expect_column_values_to_be_in_type_list"}
+    assert committed["meta"]["time_fields"] == ["year"]
     # the checkpoint the stage runs is stored next to the suite
     assert Path("expectations/checkpoints/production_traffic.json").is_file()
 
@@ -162,3 +166,14 @@ def test_traffic_without_messages_is_a_clear_error(tmp_path):
     write_jsonl(tmp_path / "traffic.jsonl", [{"question": "what?", "answer": "1"}])
     with pytest.raises(DataError, match="no row has a `messages` list"):
         derive_suite(tmp_path / "traffic.jsonl")
+
+
+def test_a_time_field_keeps_its_type_check_alone_and_must_exist(demo_data_dir, tmp_path):
+    traffic = demo_data_dir / "production_traffic.jsonl"
+    plain = {(e["type"], e["kwargs"]["column"]) for e in derive_suite(traffic)["expectations"]}
+    assert ("expect_column_quantile_values_to_be_between", "year") in plain
+    timed = {(e["type"], e["kwargs"]["column"]) for e in derive_suite(traffic, time_fields=["year"])["expectations"]}
+    assert plain - timed == {("expect_column_values_to_be_between", "year"),
+                             ("expect_column_quantile_values_to_be_between", "year")}
+    with pytest.raises(DataError, match=r"time fields \['yeer'\] are in no row"):
+        derive_suite(traffic, time_fields=["yeer"])
