@@ -56,12 +56,18 @@ def readings(ledger: Path, split: str) -> Readings:
 
 def ledger_path(data: Any) -> Path | None:
     """Where `data.test_ledger` says readings go (auto: beside the DVC file when the data is
-    pinned, outside what it pins; else beside the test split's file)."""
+    pinned, outside what it pins, whether or not the config names that file; else beside the
+    test split's file)."""
     if not data.test_ledger:
         return None
     if data.test_ledger == "auto":
-        beside = data.dvc_file or data.test_file or data.validation_file
-        return Path(beside).parent / "test_readings.jsonl"
+        if data.dvc_file:
+            return Path(data.dvc_file).parent / "test_readings.jsonl"
+        split = Path(data.test_file or data.validation_file)
+        for folder in split.resolve().parents:  # a folder DVC tracks (`dvc add data` wrote data.dvc beside it)
+            if folder.name and folder.with_name(f"{folder.name}.dvc").is_file():
+                return folder.parent / "test_readings.jsonl"
+        return split.parent / "test_readings.jsonl"
     return Path(data.test_ledger)
 
 

@@ -109,14 +109,14 @@ def model_corpus(data_dir: Path, out: Path) -> Path:
     about (`REPORT_YEARS`), without the test split's later reports, so that the test split
     reads pages the model never saw (and a rebuild reproduces the model built before those
     reports existed). Returns `out`."""
-    from envs.finqa.generate import REPORT_YEARS, TICKERS
+    from envs.finqa.generate import REPORT_YEARS
 
-    for ticker in TICKERS:
-        for year in REPORT_YEARS:
-            source = data_dir / "corpus" / "reports" / ticker / str(year)
-            if not source.is_dir():
-                raise DataError(f"{source}: missing; regenerate the demo data (`agentrft data generate`)")
-            shutil.copytree(source, out / "reports" / ticker / str(year), dirs_exist_ok=True)
+    reports = data_dir / "corpus" / "reports"
+    if not reports.is_dir():
+        raise DataError(f"{reports}: missing; regenerate the demo data (`agentrft data generate`)")
+    for source in sorted(reports.glob("*/*")):
+        if source.is_dir() and source.name.isdigit() and int(source.name) in REPORT_YEARS:
+            shutil.copytree(source, out / "reports" / source.parent.name / source.name, dirs_exist_ok=True)
     return out
 
 

@@ -4,6 +4,7 @@ JSON format."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -538,3 +539,14 @@ def test_finqa_loader_names_the_bad_record(tmp_path, change, expected):
         load_finqa_json(source, tmp_path / "out", split_name="dev")
     assert str(source) in str(error.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_retired_first_split_is_drawn_again_byte_for_byte():
+    """The micro world's test items come from the retired first split: drawn again, its
+    items hash to what the ledger recorded for every reading of it."""
+    from envs.finqa.generate import retired_first_test_split
+
+    rows = retired_first_test_split()
+    digest = hashlib.sha256("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows).encode()).hexdigest()
+    first = json.loads((REPO_ROOT / "test_readings.jsonl").read_text().splitlines()[0])
+    assert (digest, len(rows)) == (first["split_sha256"], first["items"])

@@ -66,6 +66,10 @@ def test_auto_keeps_a_dvc_pinned_ledger_outside_the_pin(tmp_path, demo_data_dir)
     assert record_reading(data, command="regression_eval", config="job", config_hash="a" * 16, model="m").count == 1
     assert (tmp_path / "test_readings.jsonl").is_file()
     assert check_pinned(dvc_file) == pinned  # the data version is unchanged
+    # a job that does not name data.dvc (an OpenAI job file) still keeps out of the pin
+    unnamed = data.model_copy(update={"dvc_file": None})
+    assert record_reading(unnamed, command="regression_eval", config="job", config_hash="b" * 16, model="m").count == 2
+    assert check_pinned(dvc_file) == pinned and not (data_dir / "test_readings.jsonl").exists()
 
     inside = data.model_copy(update={"test_ledger": str(data_dir / "test_readings.jsonl")})
     with pytest.raises(DataError, match=r"data.test_ledger: .* is inside .*which .*data.dvc pins"):
