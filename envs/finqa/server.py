@@ -193,7 +193,7 @@ class CorpusTools:
         for child in sorted(directory.iterdir(), key=lambda p: _natural_key(p.name)):
             if child.name.startswith(".") or not child.resolve().is_relative_to(self.root):
                 continue
-            if self._outside(child.relative_to(self.root).as_posix(), period) or child.name == "periods.json":
+            if self._outside(child.relative_to(self.root).as_posix(), period) or child == self.root / "periods.json":
                 continue
             # Names relative to the listed directory: compact, as `ls` prints them.
             lines.append(f"{child.name}/" if child.is_dir() else child.name)
