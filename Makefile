@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 VLLM_VENV := .venv-vllm
 
-.PHONY: install test demo bench lint clean vllm
+.PHONY: install test demo bench bench-data lint clean vllm
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -39,6 +39,10 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	$(BIN)/python benchmarks/run_all.py
+
+bench-data: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(BIN)/python benchmarks/run_all.py --only data_scaling
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -18,11 +18,12 @@ are one measurement (memory, the vLLM rows) say so.
 Budget on 2 cores, in seconds (the timeout of each process; typical runs take less):
 tool_server 600 (with a 30 s soak through the tool client; 1800 on a machine's first run,
 which writes and embeds the 100,000-page corpus and caches it), engine 240, rollout 300,
-trl 600, training 540, pipeline 3 x 200 (a failed run is not repeated), vllm 840 (only
+trl 1200 (a learning-rate grid for each trainer on the validation items, then the test
+comparison), training 540, pipeline 3 x 200 (a failed run is not repeated), vllm 840 (only
 where .venv-vllm exists; 3 steps, 16 rollouts per item), memory 600 (one update at
 Qwen's vocabulary before and after, about 2 minutes and 14 GiB at the peak of "before"),
 staleness 300 (both arms, 3 seeds, about a minute), staleness_vllm 600 (the same on one
-vLLM server, about 3 minutes): 87 minutes at worst, 31 to 41 typically.
+vLLM server, about 3 minutes): 97 minutes at worst, 35 to 45 typically.
 
     python benchmarks/run_all.py [--json benchmarks/results.json] [--only trl training] [--logs DIR]
 
@@ -61,14 +62,20 @@ BENCHMARKS: dict[str, tuple[str, list[str], int, int]] = {
                                           "--big-corpus-dir", str(REPO / ".cache" / "bench" / "big_corpus")], 600, 1),
     "engine": ("bench_engine", ["--ref-sequences", "4", "--repeats", "3"], 240, 1),
     "rollout": ("bench_rollout", ["--world", "taught", "--k", "32", "--repeats", "3"], 300, 1),
-    "trl": ("bench_trl", ["--steps", "5", "--seeds", "8", "--latency-seeds", "3", "--eval-k", "64"], 600, 1),
+    "trl": ("bench_trl", ["--steps", "5", "--seeds", "8", "--latency-seeds", "3", "--eval-k", "64"], 1200, 1),
     "training": ("bench_training", ["--rollouts", "8", "--repeats", "3", "--scaling-rounds", "3"], 540, 1),
     "pipeline": ("bench_pipeline", [], 200, 3),
     "vllm": ("bench_vllm", ["--k", "16", "--steps", "3"], 840, 1),
     "memory": ("bench_memory", [], 600, 1),
     "staleness": ("bench_staleness", ["--steps", "6", "--seeds", "3"], 300, 1),
     "staleness_vllm": ("bench_staleness", ["--backend", "vllm", "--steps", "6", "--seeds", "3"], 600, 1),
+    # 10, 100, 1,000 and all training items x 3 training seeds, and a 1,000-item epoch: about
+    # 4 hours here (finished arms are kept in runs/data_scaling and resumed at one commit).
+    "data_scaling": ("bench_data_scaling", [], 6 * 3600, 1),
 }
+# Run only when named in --only (`make bench-data`); a full run keeps their rows from the
+# existing file, with the partial run that made them.
+OPT_IN = ("data_scaling",)
 
 
 BIG_CORPUS = REPO / ".cache" / "bench" / "big_corpus"
@@ -147,13 +154,17 @@ def spread_of(values: list[float]) -> dict[str, Any]:
 
 def rollout_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     f = results[0]["figures"]
-    model = (f"{f['world']} model, {f['items']} items x {f['k']} rollouts on both loops, "
-             f"{f['tool_calls_mean']:.2f} tool calls a rollout")
+    model = f"{f['world']} model, {f['items']} items x {f['k']} rollouts on both loops"
+    calls = (f"tool calls a rollout: engine {f['tool_calls_mean']:.2f}, sequential loop "
+             f"{f['sequential_tool_calls_mean']:.2f}")
     return [
-        ranged("rollout throughput, 100 ms tool latency / 0 ms", f["latency_100ms_over_0ms"], 0.90, model),
+        ranged(f"rollout throughput, 100 ms tool latency / 0 ms, at {f['tool_calls_mean']:.2f} tool calls a rollout",
+               f["latency_100ms_over_0ms"], 0.90,
+               f"{model}; with so few calls a rollout waits little on its tools: this row says nothing about "
+               f"tool-heavy rollouts"),
         ranged("rollouts/s, engine / plain sequential agent loop (one rollout at a time, generate per turn)",
                f["engine_vs_sequential_rollouts_per_s"], 5.0,
-               f"aim, not a gate; tokens/s {f['engine_vs_sequential_tokens_per_s']['median']:.2f}x; {model}"),
+               f"aim, not a gate; tokens/s {f['engine_vs_sequential_tokens_per_s']['median']:.2f}x; {model}; {calls}"),
         row(f"peak RSS, {f['concurrent_rollouts']} concurrent rollouts (MiB)", round(f["peak_rss_mb_64_concurrent"]),
             "report", None, f"one run; model parameters {f['model_params_mb']:.1f} MiB; process peak incl. tool server"),
     ]
@@ -171,18 +182,33 @@ def trl_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                            goal, f"per seed {per_seed}; ours {statistics.median(run['ours_steps_per_s']):.2f}, "
                            f"TRL {statistics.median(run['trl_steps_per_s']):.2f} steps/s (medians); "
                            f"{r['steps']} steps of 2 items x 4"))
-    e = r["eval"]
-    n = len(e["seeds"])
-    needed = -(-3 * n // 4)  # 6 of 8
-    met = e["ours_mean"] >= e["trl_mean"] and e["seeds_ours_not_lower"] >= needed
-    rows.append(row(f"eval score after {r['steps']} steps, ours vs TRL (mean of {n} seeds)",
-                    f"{e['ours_mean']:.3f} vs {e['trl_mean']:.3f}",
-                    f"ours >= TRL on average and on >= {needed} of {n} seeds",
-                    "met" if met else "not met",
-                    f"ours not lower on {e['seeds_ours_not_lower']} of {n}; per seed ours "
-                    f"{', '.join(f'{x:.2f}' for x in e['ours'])}; TRL {', '.join(f'{x:.2f}' for x in e['trl'])}; "
-                    f"start {r['eval_start']['score']:.3f}; {r['eval_k']} samples x {r['eval_items']} "
-                    f"{r['eval_split']} items"))
+    rates = r["grid"]["chosen"]
+    rows[0]["note"] += f"; learning rates ours {rates['ours']:g}, TRL {rates['trl']:g}"
+    if len(rows) > 1:
+        rows[1]["note"] += f"; learning rates ours {rates['ours']:g}, TRL {rates['trl']:g}"
+    g = r["grid"]
+    rows.append(row("learning rate of each trainer, its best of the grid on validation items",
+                    f"ours {rates['ours']:g}, TRL {rates['trl']:g}", "chosen on validation items only", None,
+                    "; ".join(f"{side} ({g['rules'][side]}): " + ", ".join(f"{rate} {mean:.3f}"
+                                                                          for rate, mean in g["means"][side].items())
+                              for side in ("ours", "trl"))
+                    + f" (mean of {len(g['seeds'])} seeds x {g['eval_k']} samples x {g['items']} validation items)"))
+    whose = {rule: side for side, rule in g["rules"].items()}
+    for rule, e in r["eval"].items():
+        n = len(e["seeds"])
+        needed = -(-3 * n // 4)  # 6 of 8
+        met = e["ours_mean"] >= e["trl_mean"] and e["seeds_ours_not_lower"] >= needed
+        rows.append(row(f"eval score after {r['steps']} steps, ours vs TRL (mean of {n} seeds), malformed call "
+                        f"`{rule}` ({'our trainer' if whose.get(rule) == 'ours' else 'TRL'}'s rule)",
+                        f"{e['ours_mean']:.3f} vs {e['trl_mean']:.3f}",
+                        f"ours >= TRL on average and on >= {needed} of {n} seeds",
+                        "met" if met else "not met",
+                        f"ours not lower on {e['seeds_ours_not_lower']} of {n}; per-seed differences "
+                        f"{', '.join(f'{d:+.2f}' for d in e['differences'])} (mean {e['mean_difference']:+.3f}, "
+                        f"Wilcoxon signed-rank p = {e['wilcoxon_p']:.2f}); per seed ours "
+                        f"{', '.join(f'{x:.2f}' for x in e['ours'])}; TRL {', '.join(f'{x:.2f}' for x in e['trl'])}; "
+                        f"start {r['eval_start'][rule]['score']:.3f}; {r['eval_k']} samples x {r['eval_items']} "
+                        f"{r['eval_split']} items, read once"))
     return rows
 
 
@@ -300,6 +326,11 @@ def vllm_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def data_scaling_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [row(r["figure"], r["value"], r["goal"], r["verdict"], r["note"], low=r.get("min"), high=r.get("max"),
+                runs=r["runs"]) for r in results[0]["rows"]]
+
+
 def staleness_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     r = results[0]
     sync = r["runs"]["0"]  # the synchronous arm (JSON keys are strings)
@@ -334,6 +365,7 @@ ROWS: dict[str, tuple[Callable[[list[dict[str, Any]]], list[dict[str, Any]]], li
     "memory": (memory_rows, ["memory of one update at vocabulary 151,936"]),
     "staleness": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, embedded engine"]),
     "staleness_vllm": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, vLLM"]),
+    "data_scaling": (data_scaling_rows, ["validation gain by distinct training items"]),
 }
 
 
@@ -372,6 +404,16 @@ def merged(previous: dict[str, Any], partial: dict[str, Any], names: list[str]) 
     return previous | {"rows": kept + partial["rows"], "benchmark_seconds": seconds, "partial_runs": runs}
 
 
+def kept_opt_in(previous: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
+    """A full run: the opt-in benchmarks' rows of the previous file, and the partial runs
+    that made them, carried over."""
+    rows = [r for r in previous.get("rows", []) if r.get("benchmark") in OPT_IN]
+    runs = [run for run in previous.get("partial_runs", []) if set(run["benchmarks"]) & set(OPT_IN)]
+    seconds = {name: s for name, s in previous.get("benchmark_seconds", {}).items() if name in OPT_IN}
+    return full | {"rows": full["rows"] + rows, "benchmark_seconds": full["benchmark_seconds"] | seconds,
+                   **({"partial_runs": runs} if runs else {})}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results.json")
@@ -379,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--logs", type=Path, default=None, help="keep each benchmark's output here")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets whole lines
-    names = args.only or list(BENCHMARKS)
+    names = args.only or [name for name in BENCHMARKS if name not in OPT_IN]
     for name in [n for n in ("vllm", "staleness_vllm") if n in names]:
         if not VLLM_PYTHON.is_file():
             console.print(f"skipping {name}: {VLLM_PYTHON} is missing (make vllm)")
@@ -433,6 +475,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.only and args.json.is_file():
         summary = merged(json.loads(args.json.read_text()), summary, names)
+    elif args.json.is_file():
+        summary = kept_opt_in(json.loads(args.json.read_text()), summary)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(summary, indent=2) + "\n")
     console.print(f"wrote {args.json}")

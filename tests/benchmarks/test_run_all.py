@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.run_all import ranged, spread_of, trl_rows, verdict
+from benchmarks.bench_trl import RULES, best_rate, paired
+from benchmarks.run_all import kept_opt_in, ranged, spread_of, trl_rows, verdict
 
 
 @pytest.mark.parametrize(("low", "high", "at_most", "expected"), [
@@ -28,16 +29,43 @@ def test_ranged_row_reports_median_min_max_and_run_count() -> None:
 
 def _trl_result(ours: list[float], trl: list[float]) -> dict:
     speedups = [2.0, 1.7, 1.9]
-    return {"steps": 5, "eval_k": 32, "eval_items": 8, "eval_split": "test", "eval_start": {"score": 0.6},
+    evaluation = {"seeds": list(range(len(ours))), "ours": ours, "trl": trl,
+                  "ours_mean": sum(ours) / len(ours), "trl_mean": sum(trl) / len(trl), **paired(ours, trl)}
+    grid = {"rules": RULES, "seeds": [100, 101], "eval_k": 16, "items": 4, "chosen": {"ours": 3e-4, "trl": 1e-4},
+            "means": {"ours": {"0.0001": 0.8, "0.0003": 0.85}, "trl": {"0.0001": 0.82, "0.0003": 0.8}}}
+    return {"steps": 5, "eval_k": 32, "eval_items": 8, "eval_split": "test",
+            "eval_start": {"end": {"score": 0.6}, "feedback": {"score": 0.61}}, "grid": grid,
             "runs": {"0ms": {"speedups": speedups, "ours_steps_per_s": [2.0], "trl_steps_per_s": [1.0]}},
-            "eval": {"seeds": list(range(len(ours))), "ours": ours, "trl": trl,
-                     "ours_mean": sum(ours) / len(ours), "trl_mean": sum(trl) / len(trl),
-                     "seeds_ours_not_lower": sum(a >= b for a, b in zip(ours, trl, strict=True))}}
+            "eval": {"end": evaluation, "feedback": evaluation}}
 
 
 def test_trl_score_verdict_needs_the_mean_and_six_of_eight_seeds() -> None:
     six = _trl_result([0.8] * 6 + [0.1] * 2, [0.5] * 8)
     five = _trl_result([0.9] * 5 + [0.4] * 3, [0.5] * 8)  # higher on average, lower on 3 seeds
-    assert trl_rows([six])[-1]["verdict"] == "met"
+    rows = trl_rows([six])
+    assert [r["verdict"] for r in rows[-2:]] == ["met", "met"]
+    assert "`end` (our trainer's rule)" in rows[-2]["figure"] and "`feedback` (TRL's rule)" in rows[-1]["figure"]
     assert trl_rows([five])[-1]["verdict"] == "not met"
-    assert trl_rows([six])[0]["verdict"] == "met"  # steps/s: 1.7..2.0 against >= 1.5
+    assert rows[0]["verdict"] == "met"  # steps/s: 1.7..2.0 against >= 1.5
+    assert rows[1]["value"] == "ours 0.0003, TRL 0.0001" and "learning rates ours 0.0003" in rows[0]["note"]
+
+
+def test_trl_paired_test_and_the_grid_choice() -> None:
+    p = paired([0.8, 0.9, 0.7, 0.85, 0.9, 0.8], [0.5, 0.6, 0.4, 0.55, 0.6, 0.5])  # ours higher on every seed
+    assert p["seeds_ours_not_lower"] == 6 and abs(p["mean_difference"] - 0.3) < 1e-9
+    assert p["wilcoxon_p"] == pytest.approx(0.03125)  # exact two-sided: 2 / 2**6
+    assert paired([0.5, 0.6], [0.5, 0.6])["wilcoxon_p"] == 1.0  # no difference at all
+    assert best_rate({"0.0001": 0.8, "0.0003": 0.85, "0.001": 0.2}) == 3e-4
+    assert best_rate({"0.001": 0.8, "0.0001": 0.8}) == 1e-4  # a tie goes to the smaller rate
+
+
+def test_a_full_run_keeps_the_opt_in_rows_and_the_run_that_made_them() -> None:
+    previous = {"rows": [{"figure": "old trl", "benchmark": "trl"}, {"figure": "gain, 10 items", "benchmark": "data_scaling"}],
+                "benchmark_seconds": {"trl": 200.0, "data_scaling": 14000.0},
+                "partial_runs": [{"commit": "a", "benchmarks": ["data_scaling"]}, {"commit": "b", "benchmarks": ["trl"]}]}
+    full = {"commit": "c", "rows": [{"figure": "new trl", "benchmark": "trl"}], "benchmark_seconds": {"trl": 210.0}}
+    kept = kept_opt_in(previous, full)
+    assert [r["figure"] for r in kept["rows"]] == ["new trl", "gain, 10 items"]
+    assert kept["partial_runs"] == [{"commit": "a", "benchmarks": ["data_scaling"]}]
+    assert kept["benchmark_seconds"] == {"trl": 210.0, "data_scaling": 14000.0} and kept["commit"] == "c"
+    assert "partial_runs" not in kept_opt_in({"rows": []}, full)
