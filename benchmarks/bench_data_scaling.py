@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from envs.finqa.demo import DEMO_CONFIG, run_demo, tool_server
+from envs.finqa.demo import DEMO_CONFIG, ensure_data, run_demo, tool_server
 from tasks.evaluate import compare
 from tasks.rollout_eval import evaluate_model
 from trainer.config import load_config
@@ -188,6 +188,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     commit = _commit()
     config = arm_config(None, args.seeds[0], None, args.out / "mlflow.db")
+    ensure_data(config)  # a fresh clone: regenerated from the seed and checked against data.dvc
     validation = split_items(config.data, "validation")
     with tool_server(config, Path(config.data.train_file).parent / "corpus"):
         base = {"summary": score(config, config.model.base_model, validation, args.k, "base")}
