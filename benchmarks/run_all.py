@@ -208,7 +208,7 @@ def trl_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         f"Wilcoxon signed-rank p = {e['wilcoxon_p']:.2f}); per seed ours "
                         f"{', '.join(f'{x:.2f}' for x in e['ours'])}; TRL {', '.join(f'{x:.2f}' for x in e['trl'])}; "
                         f"start {r['eval_start'][rule]['score']:.3f}; {r['eval_k']} samples x {r['eval_items']} "
-                        f"{r['eval_split']} items, read once"))
+                        f"{r['eval_split']} items, read once by this run"))
     return rows
 
 
