@@ -182,11 +182,10 @@ def trl_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                            goal, f"per seed {per_seed}; ours {statistics.median(run['ours_steps_per_s']):.2f}, "
                            f"TRL {statistics.median(run['trl_steps_per_s']):.2f} steps/s (medians); "
                            f"{r['steps']} steps of 2 items x 4"))
-    rates = r["grid"]["chosen"]
-    rows[0]["note"] += f"; learning rates ours {rates['ours']:g}, TRL {rates['trl']:g}"
-    if len(rows) > 1:
-        rows[1]["note"] += f"; learning rates ours {rates['ours']:g}, TRL {rates['trl']:g}"
     g = r["grid"]
+    rates = g["chosen"]
+    for speed in rows:  # the steps-per-second rows so far
+        speed["note"] += f"; learning rates ours {rates['ours']:g}, TRL {rates['trl']:g}"
     rows.append(row("learning rate of each trainer, its best of the grid on validation items",
                     f"ours {rates['ours']:g}, TRL {rates['trl']:g}", "chosen on validation items only", None,
                     "; ".join(f"{side} ({g['rules'][side]}): " + ", ".join(f"{rate} {mean:.3f}"
