@@ -17,19 +17,26 @@ against the base model on the same rollout seeds: the paired item bootstrap give
 interval, and the arms' seeds give the spread between training runs.
 
 Each arm takes 12-15 minutes on 2 CPU cores (20 GRPO steps and 1,000 validation
-rollouts), the epoch arm about 70: about 4 hours for all. Finished arms are kept in
-`--out` (one JSON each, keyed by the arm and the commit) so an interrupted run resumes;
-a changed commit reruns them.
+rollouts), the epoch arm about 70: about 3 hours for the default arms, 40 minutes more
+with `--items ... all`. Finished arms are kept in `--out` (one JSON each, committed in
+`benchmarks/data_scaling/`), keyed by the code that makes them: the git trees of the
+trainer, tasks, envs, flows and configs, `data.dvc`, `pyproject.toml` and this script. A
+run resumes them, so a change to docs or to another benchmark keeps them and a change to
+that code reruns them. Each arm has its own MLflow store (under `--stores`), so arms with
+disjoint `--items`/`--seeds` can run as separate processes side by side (each with its own
+`PREFECT_HOME`); the base model's validation scores are kept beside the arms the same way.
 
-    .venv/bin/python -m benchmarks.bench_data_scaling [--items 10 100 1000 all] [--seeds 42 43 44]
-        [--epoch-items 1000] [--k 4] [--out runs/data_scaling] [--json rows.json]
+    .venv/bin/python -m benchmarks.bench_data_scaling [--items 10 100 1000] [--seeds 42 43 44]
+        [--epoch-items 1000] [--k 4] [--out benchmarks/data_scaling] [--json rows.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import pickle
 import statistics
 import subprocess
 import time
@@ -45,11 +52,29 @@ from trainer.data import split_items
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
-    return head + ("-dirty" if dirty else "")
+# What makes an arm's result: a change anywhere else (docs, other benchmarks, results)
+# keeps the finished arms.
+CODE = ("trainer", "tasks", "envs", "flows", "configs", "data.dvc", "pyproject.toml",
+        "benchmarks/bench_data_scaling.py")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def code_key() -> str:
+    """A hash of the committed trees of `CODE`, with "-dirty" when any of them has
+    uncommitted changes (such an arm is never kept for another run)."""
+    trees = "\n".join(f"{path} {_git('rev-parse', f'HEAD:{path}')}" for path in CODE)
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
+    return hashlib.sha256(trees.encode()).hexdigest()[:16] + ("-dirty" if dirty else "")
+
+
+def _kept(path: Path, key: str) -> dict[str, Any] | None:
+    if not path.is_file() or key.endswith("-dirty"):
+        return None
+    kept = json.loads(path.read_text())
+    return kept if kept.get("code") == key else None
 
 
 def arm_config(items: int | None, seed: int, steps: int | None, store: Path) -> Any:
@@ -70,15 +95,31 @@ def score(config: Any, model: str, items: list[dict], k: int, prefix: str):
                           group_by=config.promotion.group_by)[0]
 
 
-def run_arm(name: str, items: int | None, seed: int, steps: int | None, out: Path, k: int,
-            base: Any, commit: str, log: Any = print) -> dict[str, Any]:
+def base_scores(config: Any, validation: list[dict], k: int, out: Path, stores: Path, key: str) -> Any:
+    """The base model's validation summary: kept beside the arms (its per-item scores
+    pickled in `stores`, its key in `out`) and reused while the code is unchanged."""
+    path, cache = out / f"base-k{k}.json", stores / f"base-k{k}.pickle"
+    kept = _kept(path, key)
+    if kept is not None and cache.is_file() and hashlib.sha256(cache.read_bytes()).hexdigest() == kept["sha256"]:
+        print(f"base model: kept from {path}")
+        return pickle.loads(cache.read_bytes())
+    with tool_server(config, Path(config.data.train_file).parent / "corpus"):
+        summary = score(config, config.model.base_model, validation, k, "base")
+    cache.write_bytes(pickle.dumps(summary))
+    path.write_text(json.dumps({"code": key, "commit": _git("rev-parse", "HEAD"), "k": k,
+                                "score": summary.metrics["base/score_mean"],
+                                "sha256": hashlib.sha256(cache.read_bytes()).hexdigest()}, indent=2))
+    return summary
+
+
+def run_arm(name: str, items: int | None, seed: int, steps: int | None, out: Path, stores: Path, k: int,
+            base: Any, key: str, log: Any = print) -> dict[str, Any]:
     path = out / f"{name}.json"
-    if path.is_file():
-        kept = json.loads(path.read_text())
-        if kept.get("commit") == commit:
-            log(f"{name}: kept from {path}")
-            return kept
-    config = arm_config(items, seed, steps, out / "mlflow.db")
+    kept = _kept(path, key)
+    if kept is not None:
+        log(f"{name}: kept from {path}")
+        return kept
+    config = arm_config(items, seed, steps, stores / f"{name}.db")
     started = time.perf_counter()
     outcome = run_demo(config, [], stop_after="rft_training", log=log)
     train_s = time.perf_counter() - started
@@ -90,7 +131,7 @@ def run_arm(name: str, items: int | None, seed: int, steps: int | None, out: Pat
                        samples=config.promotion.bootstrap_samples, seed=config.baseline.seed)
     result = {
         "arm": name, "items": items, "seed": seed, "steps": outcome["steps"],
-        "commit": commit, "candidate": candidate, "train_s": round(train_s, 1),
+        "code": key, "commit": _git("rev-parse", "HEAD"), "candidate": candidate, "train_s": round(train_s, 1),
         "validation": {"items": len(validation), "k": k, "score": summary.metrics["candidate/score_mean"],
                        "base_score": base["summary"].metrics["base/score_mean"]},
         "gain": compared["score_gain"],
@@ -176,34 +217,39 @@ def plot(results: list[dict[str, Any]], arms: list[str], epoch: dict[str, Any] |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--items", nargs="+", default=["10", "100", "1000", "all"])
+    parser.add_argument("--items", nargs="+", default=["10", "100", "1000"],
+                        help="training-set sizes; 'all' adds the whole train split (the demo's own training)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[42, 43, 44])
     parser.add_argument("--epoch-items", type=int, default=1000, help="0: no epoch arm")
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "data_scaling")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "data_scaling",
+                        help="finished arms, one JSON each (committed)")
+    parser.add_argument("--stores", type=Path, default=REPO / "runs" / "data_scaling",
+                        help="each arm's MLflow store and checkpoints, and the base model's scores")
     parser.add_argument("--figure", type=Path, default=REPO / "docs" / "images" / "sample-efficiency.png")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
     args.out.mkdir(parents=True, exist_ok=True)
-    commit = _commit()
-    config = arm_config(None, args.seeds[0], None, args.out / "mlflow.db")
+    args.stores.mkdir(parents=True, exist_ok=True)
+    key = code_key()
+    config = arm_config(None, args.seeds[0], None, args.stores / "base.db")
     ensure_data(config)  # a fresh clone: regenerated from the seed and checked against data.dvc
     validation = split_items(config.data, "validation")
-    with tool_server(config, Path(config.data.train_file).parent / "corpus"):
-        base = {"summary": score(config, config.model.base_model, validation, args.k, "base")}
+    base = {"summary": base_scores(config, validation, args.k, args.out, args.stores, key)}
     print(f"base model: validation {base['summary'].metrics['base/score_mean']:.4f} "
           f"({len(validation)} items x {args.k})")
     results = []
     for arm in args.items:
         items = None if arm == "all" else int(arm)
         for seed in args.seeds:
-            results.append(run_arm(f"items-{arm}-seed-{seed}", items, seed, 20, args.out, args.k, base, commit))
+            results.append(run_arm(f"items-{arm}-seed-{seed}", items, seed, 20, args.out, args.stores, args.k,
+                                   base, key))
     epoch = None
     if args.epoch_items:
         steps = math.ceil(args.epoch_items / config.training.batch_size)
         epoch = run_arm(f"epoch-{args.epoch_items}-seed-{args.seeds[0]}", args.epoch_items, args.seeds[0], None,
-                        args.out, args.k, base, commit)
+                        args.out, args.stores, args.k, base, key)
         if epoch["steps"] != steps:
             raise SystemExit(f"the epoch arm ran {epoch['steps']} steps, not the {steps} of one epoch")
     rows = rows_of(results, args.items, epoch)

@@ -69,8 +69,9 @@ BENCHMARKS: dict[str, tuple[str, list[str], int, int]] = {
     "memory": ("bench_memory", [], 600, 1),
     "staleness": ("bench_staleness", ["--steps", "6", "--seeds", "3"], 300, 1),
     "staleness_vllm": ("bench_staleness", ["--backend", "vllm", "--steps", "6", "--seeds", "3"], 600, 1),
-    # 10, 100, 1,000 and all training items x 3 training seeds, and a 1,000-item epoch: about
-    # 4 hours here (finished arms are kept in runs/data_scaling and resumed at one commit).
+    # 10, 100 and 1,000 training items x 3 training seeds, and a 1,000-item epoch: about 3
+    # hours here (finished arms are committed in benchmarks/data_scaling and kept while the
+    # code that makes them is unchanged).
     "data_scaling": ("bench_data_scaling", [], 6 * 3600, 1),
 }
 # Run only when named in --only (`make bench-data`); a full run keeps their rows from the
