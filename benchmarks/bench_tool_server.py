@@ -92,15 +92,15 @@ def percentiles(values_ms: list[float]) -> dict[str, float]:
 # --- corpora -------------------------------------------------------------------------------
 
 
-def demo_corpus(tmp: Path) -> tuple[Path, list[str]]:
-    """The demo corpus and questions about it: data/ if present, else generated."""
-    data = REPO / "data"
-    if not (data / "corpus").is_dir():
-        from envs.finqa.generate import generate_dataset
+def demo_corpus() -> tuple[Path, list[str]]:
+    """The demo corpus and its validation questions: data/, regenerated from its seed and
+    checked against data.dvc when a fresh clone lacks it."""
+    from envs.finqa.demo import DEMO_CONFIG, ensure_data
+    from trainer.config import load_config
 
-        print("data/corpus not found: generating the demo dataset")
-        generate_dataset(tmp / "demo", n_train=10, n_eval=200, n_traffic=10)
-        data = tmp / "demo"
+    config = load_config(DEMO_CONFIG)
+    ensure_data(config)
+    data = Path(config.data.train_file).parent
     questions = [json.loads(line)["question"] for line in (data / "validation.jsonl").open()]
     return data / "corpus", questions
 
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "mix": dict(MIX), "search": {}}
     with tempfile.TemporaryDirectory(prefix="bench_tool_server_") as tmp_dir:
         tmp = Path(tmp_dir)
-        corpus, questions = demo_corpus(tmp)
+        corpus, questions = demo_corpus()
         queries = (questions * (args.queries // max(len(questions), 1) + 1))[: args.queries]
 
         if args.soak_only:
