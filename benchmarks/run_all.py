@@ -327,8 +327,9 @@ def vllm_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def data_scaling_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [row(r["figure"], r["value"], r["goal"], r["verdict"], r["note"], low=r.get("min"), high=r.get("max"),
-                runs=r["runs"]) for r in results[0]["rows"]]
+    # the epoch arm is one run: a figure without a verdict
+    return [row(r["figure"], r["value"], r["goal"], None if r["runs"] == 1 else r["verdict"], r["note"],
+                low=r.get("min"), high=r.get("max"), runs=r["runs"]) for r in results[0]["rows"]]
 
 
 def staleness_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_data_scaling import CODE, _kept, code_key, rows_of
+from benchmarks.run_all import data_scaling_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,3 +46,9 @@ def test_rows_give_median_and_range_over_seeds_and_a_straddling_verdict() -> Non
     assert (ten["value"], ten["min"], ten["max"], ten["verdict"]) == (2.0, -1.0, 5.0, "straddles")
     assert rows[1]["verdict"] == "met"
     assert rows[2]["figure"].endswith("one epoch (125 steps of 8)") and rows[2]["value"] == pytest.approx(10.0)
+
+
+def test_run_all_rows_carry_the_seeds_verdict_and_no_verdict_for_the_single_epoch_run() -> None:
+    epoch = _arm("1000", 42, 0.10) | {"arm": "epoch-1000-seed-42", "steps": 125}
+    rows = data_scaling_rows([{"rows": rows_of([_arm("10", 42, 0.02), _arm("10", 43, 0.04)], ["10"], epoch)}])
+    assert [(r["verdict"], r["runs"], r["min"]) for r in rows] == [("met", 2, 2.0), (None, 1, None)]
