@@ -157,6 +157,7 @@ def synthetic_rollouts(trainer: GRPOTrainer, n: int, seq_len: int, prompt_len: i
     sampler's log-probabilities computed by the model itself (so the ratios start at 1),
     one rollout and 256 positions at a time (this must not be the memory peak)."""
     generator = torch.Generator().manual_seed(0)
+    item_ids = [str(item["id"]) for item in trainer.train_items]  # each rollout's item has its KL coefficient
     model = trainer.accelerator.unwrap_model(trainer.model)
     device = trainer.accelerator.device
     records = []
@@ -167,7 +168,7 @@ def synthetic_rollouts(trainer: GRPOTrainer, n: int, seq_len: int, prompt_len: i
             span, _ = chunked_logprobs(logits[:, :-1], ids[None, prompt_len:].to(device), 1.0, chunk=256)
         logprobs = [0.0] * prompt_len + span[0].float().tolist()
         records.append(RolloutRecord(
-            trace_id=f"trace_{index}", item_id=str(index // 4), sample_index=index % 4, messages=[], tool_calls=[],
+            trace_id=f"trace_{index}", item_id=item_ids[index // 4 % len(item_ids)], sample_index=index % 4, messages=[], tool_calls=[],
             final_answer="", status="ok", score=0.0, reward=0.0, token_ids=ids.tolist(),
             gen_mask=[0] * prompt_len + [1] * (seq_len - prompt_len), logprobs=logprobs,
         ))

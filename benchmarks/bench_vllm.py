@@ -66,7 +66,7 @@ def rollout_rate(trainer: GRPOTrainer, backend: GenerationBackend, k: int, seed:
     async def run() -> list[RolloutRecord]:
         async with ToolClient.from_config(tools, trainer.endpoints, seed=seed) as client:
             return await run_rollouts_async(
-                backend, trainer.tokenizer, trainer.train_items, n_per_item=k, tool_client=client,
+                backend, trainer.chat, trainer.train_items, n_per_item=k, tool_client=client,
                 grader=trainer.config.grader, settings=trainer.settings, tools=tools.schemas,
                 max_concurrent=trainer.config.rollout.max_concurrent_rollouts,
             )
