@@ -22,8 +22,9 @@ trl 1200 (a learning-rate grid for each trainer on the validation items, then th
 comparison), training 540, pipeline 3 x 200 (a failed run is not repeated), vllm 840 (only
 where .venv-vllm exists; 3 steps, 16 rollouts per item), memory 600 (one update at
 Qwen's vocabulary before and after, about 2 minutes and 14 GiB at the peak of "before"),
-staleness 300 (both arms, 3 seeds, about a minute), staleness_vllm 600 (the same on one
-vLLM server, about 3 minutes): 97 minutes at worst, 35 to 45 typically.
+staleness, staleness_ppo2 and staleness_thread 420 each (both arms, 3 seeds, 12 steps, 2 to
+3 minutes each), staleness_vllm 720 (the same on one vLLM server, about 4 minutes): 106
+minutes at worst, 40 to 50 typically.
 
     python benchmarks/run_all.py [--json benchmarks/results.json] [--only trl training] [--logs DIR]
 
@@ -67,8 +68,15 @@ BENCHMARKS: dict[str, tuple[str, list[str], int, int]] = {
     "pipeline": ("bench_pipeline", [], 200, 3),
     "vllm": ("bench_vllm", ["--k", "16", "--steps", "3"], 840, 1),
     "memory": ("bench_memory", [], 600, 1),
-    "staleness": ("bench_staleness", ["--steps", "6", "--seeds", "3"], 300, 1),
-    "staleness_vllm": ("bench_staleness", ["--backend", "vllm", "--steps", "6", "--seeds", "3"], 600, 1),
+    # max_staleness 1 / 0: the update's share of a step is what the overlap can hide
+    # (ppo_epochs 4: about 0.7 of the sampling, 2: about 0.35); the frozen copy samples in a
+    # child process, or in a thread of the trainer (its GIL shared with the update).
+    "staleness": ("bench_staleness", ["--steps", "12", "--seeds", "3", "--ppo-epochs", "4"], 420, 1),
+    "staleness_ppo2": ("bench_staleness", ["--steps", "12", "--seeds", "3", "--ppo-epochs", "2"], 420, 1),
+    "staleness_thread": ("bench_staleness", ["--steps", "12", "--seeds", "3", "--ppo-epochs", "4",
+                                             "--sampler", "thread"], 420, 1),
+    "staleness_vllm": ("bench_staleness", ["--backend", "vllm", "--steps", "12", "--seeds", "3", "--ppo-epochs", "4"],
+                       720, 1),
     # 10, 100 and 1,000 training items x 3 training seeds, and a 1,000-item epoch: about 3
     # hours here (finished arms are committed in benchmarks/data_scaling and kept while the
     # code that makes them is unchanged).
@@ -335,20 +343,26 @@ def data_scaling_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def staleness_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     r = results[0]
     sync = r["runs"]["0"]  # the synchronous arm (JSON keys are strings)
-    where = "embedded engine (a frozen copy samples in a thread)" if r["backend"] == "transformers" else \
-        "one vLLM server (CPU)"
+    where = (f"embedded engine (a frozen copy samples in a {r.get('sampler') or 'thread'})"
+             if r["backend"] == "transformers" else "one vLLM server (CPU)")
+    arm = r["backend"] if r["backend"] == "vllm" else f"{r['backend']} {r.get('sampler') or 'thread'}"
+    arm += f", ppo_epochs {r['ppo_epochs']}"
     setting = (f"{r['steps']} steps of {r['batch_size']} items x {r['group_size']}, ppo_epochs {r['ppo_epochs']}, "
-               f"{r['latency_ms']:g} ms tools, {where}, seeds {r['seeds']}")
+               f"learning rate {r['learning_rate']:g}, {r['latency_ms']:g} ms tools, {where}, seeds {r['seeds']}")
     parts = (f"sync arm: sampling {statistics.median(x['sampling_s'] for x in sync):.2f} s + update "
              f"{statistics.median(x['training_s'] for x in sync):.2f} s a step (medians), a perfect overlap of which "
              f"gives {', '.join(f'{b:.2f}' for b in r['overlap_bounds'])}x")
+    sync_scores, off_scores = r["score_sync"], r["score_off_policy"]
+    # "at equal score": the off-policy mean within the seeds' spread of the synchronous arm
+    equal = min(sync_scores) <= r["score_off_policy_mean"] <= max(sync_scores)
     return [
-        ranged(f"steps/s, max_staleness 1 / 0, {r['latency_ms']:g} ms tools, {r['backend']}", spread_of(r["speedups"]),
+        ranged(f"steps/s, max_staleness 1 / 0, {r['latency_ms']:g} ms tools, {arm}", spread_of(r["speedups"]),
                1.5, f"per seed {', '.join(f'{x:.2f}' for x in r['speedups'])}; {parts}; {setting}"),
-        row(f"validation score after {r['steps']} steps, max_staleness 1 vs 0, {r['backend']}",
-            f"{r['score_off_policy_mean']:.3f} vs {r['score_sync_mean']:.3f}", "report", None,
-            f"per seed 1: {', '.join(f'{x:.2f}' for x in r['score_off_policy'])}; 0: "
-            f"{', '.join(f'{x:.2f}' for x in r['score_sync'])}; {r['eval_k']} samples per validation item"),
+        row(f"validation score after {r['steps']} steps, max_staleness 1 vs 0, {arm}",
+            f"{r['score_off_policy_mean']:.3f} vs {r['score_sync_mean']:.3f}",
+            "off-policy mean within the sync seeds' range", "met" if equal else "not met",
+            f"per seed 1: {', '.join(f'{x:.2f}' for x in off_scores)}; 0: "
+            f"{', '.join(f'{x:.2f}' for x in sync_scores)}; {r['eval_k']} samples per validation item"),
     ]
 
 
@@ -364,7 +378,9 @@ ROWS: dict[str, tuple[Callable[[list[dict[str, Any]]], list[dict[str, Any]]], li
     "tool_server": (tool_server_rows, ["search tool p95, 2,800 and 100,000 pages", "tool client soak"]),
     "vllm": (vllm_rows, ["vLLM backend vs transformers engine"]),
     "memory": (memory_rows, ["memory of one update at vocabulary 151,936"]),
-    "staleness": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, embedded engine"]),
+    "staleness": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, embedded engine, sampler process"]),
+    "staleness_ppo2": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, embedded engine, ppo_epochs 2"]),
+    "staleness_thread": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, embedded engine, sampler thread"]),
     "staleness_vllm": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, vLLM"]),
     "data_scaling": (data_scaling_rows, ["validation gain by distinct training items"]),
 }

@@ -197,6 +197,13 @@ class RolloutConfig(Section):
         "transformers", description="Generation engine: the embedded transformers engine, or vLLM servers."
     )
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM servers (rollout.backend: vllm).")
+    overlap_sampler: Literal["auto", "thread", "process"] = Field(
+        "auto", description="Under training.max_staleness: 1 on the embedded engine, where the frozen copy samples "
+        "beside the update: a thread of the trainer (it shares Python's GIL with the update) or a child process "
+        "(its own interpreter; the copy's weights in shared memory, which the sync after each step writes). "
+        "auto: a process when the model is on the CPU and /dev/shm has room for the copy, else a thread. "
+        "`process` needs a CPU model."
+    )
 
 
 class PenaltyConfig(Section):

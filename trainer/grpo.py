@@ -32,7 +32,8 @@ One step of the algorithm:
 One step off-policy (`max_staleness: 1`): step t+1's rollouts are sampled in a thread
 while step t updates the weights, with the weights of step t - 1 (vLLM servers keep them
 until both are done; the embedded engine samples with a frozen copy that the sync after
-each step refreshes). Each step checks that its rollouts lag the trainer by at most
+each step refreshes, in a child process on CPU by default: `rollout.overlap_sampler`,
+trainer/backends.py). Each step checks that its rollouts lag the trainer by at most
 `max_staleness` versions (`train/policy_lag_max`), and TIS weighs every token by
 min(exp(old - sampler), tis_cap) for the lag. A resumed run's first step samples on-policy.
 
@@ -65,7 +66,6 @@ rollout of the step's first groups, whole; also MLflow traces), `rollouts/eval_s
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 import json
@@ -103,10 +103,9 @@ from trainer.rollout import (
     RolloutRecord,
     RolloutSettings,
     check_tool_call_costs,
-    run_rollouts_async,
 )
 from trainer.sharding import WholeCopy, one_process_group, resolved_distributed, shard
-from trainer.tools import ToolClient, ToolEndpoint
+from trainer.tools import ToolEndpoint
 from trainer.update import PolicyUpdate
 
 KEPT_GROUPS = 4  # groups per step whose best and worst rollouts are written out whole
@@ -394,9 +393,12 @@ class GRPOTrainer:
                                     reference=self.reference, temperature=self.temperature,
                                     kl_coef_of=lambda record: kl_by_item[record.item_id],
                                     sharded=self.distributed == "fsdp")
-        from trainer.backends import make_generator
+        from trainer.backends import RolloutContext, make_generator
 
-        self.generator = self._exit.enter_context(make_generator(self.config, self, self.output_dir))
+        self.rollout_context = RolloutContext(self.chat, self.config, self.endpoints, self.settings,
+                                              list(self.stop_token_ids))
+        self.generator = self._exit.enter_context(make_generator(self.config, self, self.output_dir,
+                                                                 self.rollout_context))
 
         self.checkpoints_dir = self.output_dir / "checkpoints"
         self.rollouts_dir = self.output_dir / "rollouts"
@@ -621,24 +623,13 @@ class GRPOTrainer:
         """`n` rollouts of each item with the current weights, through the real tools."""
         if not items:
             return []
-        rollout, tools = self.config.rollout, self.config.tools
         # The embedded engine on the live weights refuses a model in training mode (dropout);
         # vLLM and a frozen copy never touch the training model (which may be updating now).
         model = self.sampling_model() if self.generator.reads_training_model else None
         if model is not None:
             model.eval()
-        backend = self.generator.backend(seed)
-
-        async def run() -> list[RolloutRecord]:
-            async with ToolClient.from_config(tools, self.endpoints, seed=seed) as client:
-                return await run_rollouts_async(
-                    backend, self.chat, items, n_per_item=n, tool_client=client, grader=self.config.grader,
-                    settings=self.settings, tools=tools.schemas, max_concurrent=rollout.max_concurrent_rollouts,
-                    policy_version=version,
-                )
-
         try:
-            return asyncio.run(run())
+            return self.generator.sample(self.rollout_context, items, n, seed, version)
         finally:
             if model is not None:
                 model.train()

@@ -431,6 +431,10 @@ class VllmGenerator:
             deadline=(vcfg.turn_deadline_s, vcfg.turn_deadline_per_token_s),
         )
 
+    def sample(self, context: Any, items: list[dict[str, Any]], n: int, seed: int, version: int) -> list[Any]:
+        """`n` rollouts of each item on the servers (a `trainer.backends.RolloutContext` runs them)."""
+        return context.run(self.backend(seed), items, n, seed, version)
+
     def metrics(self) -> dict[str, float]:
         """What the step logs about the servers (this process's view)."""
         return {"infra/replicas_alive": float(len(self.servers.alive()))}

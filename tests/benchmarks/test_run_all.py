@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.bench_trl import RULES, best_rate, paired
-from benchmarks.run_all import kept_opt_in, ranged, spread_of, trl_rows, verdict
+from benchmarks.run_all import kept_opt_in, ranged, spread_of, staleness_rows, trl_rows, verdict
 
 
 @pytest.mark.parametrize(("low", "high", "at_most", "expected"), [
@@ -69,3 +69,23 @@ def test_a_full_run_keeps_the_opt_in_rows_and_the_run_that_made_them() -> None:
     assert kept["partial_runs"] == [{"commit": "a", "benchmarks": ["data_scaling"]}]
     assert kept["benchmark_seconds"] == {"trl": 210.0, "data_scaling": 14000.0} and kept["commit"] == "c"
     assert "partial_runs" not in kept_opt_in({"rows": []}, full)
+
+
+def _staleness_result(sync: list[float], off: list[float], **over: object) -> dict:
+    runs = {str(arm): [{"sampling_s": 0.6, "training_s": 0.4}] * 3 for arm in (0, 1)}
+    return {"runs": runs, "backend": "transformers", "sampler": "process", "steps": 12, "batch_size": 4,
+            "group_size": 8, "ppo_epochs": 4, "learning_rate": 1e-4, "latency_ms": 300.0, "seeds": [3, 4, 5],
+            "overlap_bounds": [1.67, 1.67, 1.67], "speedups": [1.49, 1.53, 1.59], "eval_k": 16,
+            "score_sync": sync, "score_off_policy": off, "score_sync_mean": sum(sync) / 3,
+            "score_off_policy_mean": sum(off) / 3, **over}
+
+
+def test_staleness_rows_name_the_sampler_and_judge_the_score_by_the_sync_seeds_range() -> None:
+    speed, score = staleness_rows([_staleness_result([0.89, 0.67, 0.83], [0.66, 0.89, 0.90])])
+    assert speed["figure"] == "steps/s, max_staleness 1 / 0, 300 ms tools, transformers process, ppo_epochs 4"
+    assert (speed["value"], speed["min"], speed["max"], speed["verdict"]) == (1.53, 1.49, 1.59, "straddles")
+    assert score["value"] == "0.817 vs 0.797" and score["verdict"] == "met"
+    _, lower = staleness_rows([_staleness_result([0.78, 0.72, 0.90], [0.77, 0.70, 0.55])])
+    assert lower["verdict"] == "not met"  # 0.673 is below every synchronous seed
+    speed, _ = staleness_rows([_staleness_result([0.8] * 3, [0.8] * 3, backend="vllm", sampler=None)])
+    assert speed["figure"].endswith("vllm, ppo_epochs 4") and "one vLLM server" in speed["note"]

@@ -505,33 +505,99 @@ def test_one_pass_takes_the_trainer_as_old_policy_and_reports_the_sampler_mismat
     assert result.steps == 1
 
 
+def _with_sampler(config, sampler: str):
+    return config.model_copy(update={"rollout": config.rollout.model_copy(update={"overlap_sampler": sampler})})
+
+
 def test_one_step_off_policy_samples_the_next_step_during_the_update(two_step_run, world, endpoints, taught_model):
     """`max_staleness: 1` on the embedded engine: a frozen copy of the weights samples step
-    2's rollouts while step 1 trains. Step 1 is the on-policy run's (same weights, same
-    seeds); step 2 trains on rollouts exactly one version old, whose sampler log-probs
-    differ from the trainer's by the update (what TIS weighs), not by float noise; the copy
-    holds the final weights after the last sync."""
+    2's rollouts while step 1 trains, in a child process or in a thread. Step 1 is the
+    on-policy run's (same weights, same seeds); step 2 trains on rollouts exactly one
+    version old, whose sampler log-probs differ from the trainer's by the update (what TIS
+    weighs), not by float noise; the copy holds the final weights after the last sync; and
+    the process samples what the thread samples."""
+    from trainer.backends import ProcessSampler
+
     reference_dir, _, _ = two_step_run
-    out = world / "one_step_off"
-    trainer = GRPOTrainer(micro_config(world, endpoints, max_staleness=1), model_path=str(taught_model),
-                          output_dir=out)
+    reference = {r["step"]: r for r in read_jsonl(reference_dir / "metrics.jsonl")}
+    assert reference[2]["train/policy_lag_max"] == 0
+    runs = {}
+    for sampler in ("process", "thread"):
+        out = world / f"one_step_off_{sampler}"
+        trainer = GRPOTrainer(_with_sampler(micro_config(world, endpoints, max_staleness=1), sampler),
+                              model_path=str(taught_model), output_dir=out)
+        trainer.setup()
+        try:
+            assert isinstance(trainer.generator, ProcessSampler) == (sampler == "process")
+            assert trainer.train().steps == 2
+            frozen, trained = trainer.generator.copy.state_dict(), trainer.sampling_model().state_dict()
+            assert all(torch.equal(frozen[name], tensor) for name, tensor in trained.items())
+        finally:
+            trainer.cleanup()
+        if sampler == "process":
+            assert not trainer.generator.process.is_alive()  # stopped with the trainer
+        rows = runs[sampler] = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl")}
+        # Step 1's update shares the cores with step 2's sampling, which moves its float sums in
+        # the last bits (OpenMP teams); its rollouts (sampled before) are the same ones.
+        for key, value in _comparable(reference[1]).items():
+            assert rows[1][key] == pytest.approx(value, rel=1e-3, abs=1e-6), (sampler, key)
+        assert rows[1]["train/policy_lag_max"] == 0 and rows[2]["train/policy_lag_max"] == 1
+        assert {r["policy_version"] for r in read_jsonl(out / "rollouts" / "step_2.jsonl")} == {0}
+        assert reference[2]["train/sampler_diff_max"] < 1e-3 < rows[2]["train/sampler_diff_max"]
+    for step in (1, 2):
+        for key, value in _comparable(runs["thread"][step]).items():
+            assert runs["process"][step][key] == pytest.approx(value, rel=1e-3, abs=1e-6), (step, key)
+
+
+def test_a_sampler_process_that_dies_ends_the_run_with_its_exit_code(world, endpoints, taught_model):
+    """The child that samples is killed (as the kernel's out-of-memory killer would): the
+    next sampling raises an InfraError that names the process and its signal, not a hang
+    and not rollouts scored 0."""
+    import signal
+
+    from trainer.errors import InfraError
+
+    trainer = GRPOTrainer(micro_config(world, endpoints, max_staleness=1, n_epochs=1),
+                          model_path=str(taught_model), output_dir=world / "sampler_killed")
     trainer.setup()
     try:
-        assert trainer.train().steps == 2
-        frozen, trained = trainer.generator.copy.state_dict(), trainer.sampling_model().state_dict()
-        assert all(torch.equal(frozen[name], tensor) for name, tensor in trained.items())
+        os.kill(trainer.generator.process.pid, signal.SIGKILL)
+        with pytest.raises(InfraError, match=r"sampler process \(pid \d+\) died while sampling \(exit code -9"):
+            trainer.train()
+        assert not (world / "sampler_killed" / "rollouts" / "step_1.jsonl").exists()
     finally:
         trainer.cleanup()
-    reference = {r["step"]: r for r in read_jsonl(reference_dir / "metrics.jsonl")}
-    rows = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl")}
-    # Step 1's update shares the cores with step 2's sampling, which moves its float sums in
-    # the last bits (OpenMP teams); its rollouts (sampled before) are the same ones.
-    for key, value in _comparable(reference[1]).items():
-        assert rows[1][key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
-    assert rows[1]["train/policy_lag_max"] == 0 and rows[2]["train/policy_lag_max"] == 1
-    assert {r["policy_version"] for r in read_jsonl(out / "rollouts" / "step_2.jsonl")} == {0}
-    assert reference[2]["train/policy_lag_max"] == 0
-    assert reference[2]["train/sampler_diff_max"] < 1e-3 < rows[2]["train/sampler_diff_max"]
+
+
+def test_an_error_in_the_sampler_process_is_raised_in_the_trainer(world, endpoints, taught_model):
+    """An exception raised while the child samples reaches the trainer as itself, with the
+    child's traceback as a note; the child goes on serving."""
+    trainer = GRPOTrainer(micro_config(world, endpoints, max_staleness=1), model_path=str(taught_model),
+                          output_dir=world / "sampler_error")
+    trainer.setup()
+    try:
+        generator, context = trainer.generator, trainer.rollout_context
+        with pytest.raises(Exception) as raised:
+            generator.sample(context, [{"id": "no-messages"}], 1, 0, 0)
+        assert any("raised in the sampler process" in note for note in getattr(raised.value, "__notes__", []))
+        records = generator.sample(context, trainer.train_items[:1], 2, 0, 0)
+        assert len(records) == 2 and all(r.policy_version == 0 for r in records)
+        assert generator.process.is_alive()
+    finally:
+        trainer.cleanup()
+
+
+def test_overlap_sampler_process_needs_a_cpu_model(world, endpoints):
+    from trainer.backends import overlap_in_process
+
+    config = micro_config(world, endpoints, max_staleness=1)
+    with torch.device("meta"):
+        off_cpu = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match="rollout.overlap_sampler: process needs a model on the CPU"):
+        overlap_in_process(_with_sampler(config, "process"), off_cpu)
+    assert overlap_in_process(config, off_cpu) is False  # auto: a thread
+    assert overlap_in_process(config, torch.nn.Linear(4, 4)) is True
+    assert overlap_in_process(_with_sampler(config, "thread"), torch.nn.Linear(4, 4)) is False
 
 
 @pytest.mark.slow
