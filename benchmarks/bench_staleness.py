@@ -36,11 +36,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +47,7 @@ import torch
 from benchmarks.bench_trl import eval_score
 from benchmarks.taught_world import TaughtWorld, taught_world, training_config
 from envs.finqa.faults import FaultConfig
-from envs.finqa.local import local_tool_endpoints
+from envs.finqa.local import local_tool_endpoints, tool_endpoints_in_process
 from tests.taught_model import OUTPUT_CHARS
 from trainer.data import read_jsonl
 from trainer.grpo import train
@@ -57,32 +55,6 @@ from trainer.tools import ToolEndpoint
 from trainer.vllm_servers import launched_server, server_args
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
-
-
-def _serve_tools(conn: Any, corpus: Path, latency_ms: float) -> None:
-    with local_tool_endpoints(corpus, max_output_chars=OUTPUT_CHARS, faults=FaultConfig(latency_ms=latency_ms)) as endpoints:
-        conn.send(endpoints)
-        conn.recv()  # serve until told to stop
-
-
-@contextlib.contextmanager
-def tools_in_own_process(corpus: Path, latency_ms: float) -> Iterator[list[ToolEndpoint]]:
-    """The taught world's tools in a process of their own, as a user's tool server is: it
-    does not share the trainer's GIL."""
-    spawn = multiprocessing.get_context("spawn")
-    here, there = spawn.Pipe()
-    process = spawn.Process(target=_serve_tools, args=(there, corpus, latency_ms), daemon=True)
-    process.start()
-    try:
-        if not here.poll(120):
-            raise RuntimeError("the tool server process did not start within 120 s")
-        yield here.recv()
-    finally:
-        with contextlib.suppress(OSError):
-            here.send(None)
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
 
 
 def one_run(world: TaughtWorld, endpoints: list[ToolEndpoint], staleness: int, seed: int, out: Path,
@@ -145,7 +117,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 str(VLLM_PYTHON), str(world.model), args=server_argv, log_path=Path(tmp) / "vllm.log",
                 startup_timeout_s=600, env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
             args.url = server.url
-        with tools_in_own_process(world.corpus, args.latency_ms) as endpoints:
+        with tool_endpoints_in_process(world.corpus, max_output_chars=OUTPUT_CHARS,
+                                       faults=FaultConfig(latency_ms=args.latency_ms)) as endpoints:
             print("warm-up: one step of each arm, untimed", flush=True)
             for staleness in (0, 1):
                 one_run(world, endpoints, staleness, 99, Path(tmp) / f"warmup_{staleness}",

@@ -118,3 +118,27 @@ def test_5xx_is_retried_then_raised_as_infra_error(corpus) -> None:
         recorded = httpx.get(f"{base}/traces/{trace_id}").json()["calls"]
     assert err.value.attempts == 3
     assert [c["status_code"] for c in recorded] == [503, 503, 503]
+
+
+def test_tools_served_from_a_child_process_answer_with_its_faults_and_stop_with_the_block(corpus) -> None:
+    """`tool_endpoints_in_process`: the same tools from a spawned process (its own GIL),
+    with the latency it was given, gone once the block ends."""
+    import time
+
+    from envs.finqa.local import tool_endpoints_in_process
+
+    root, item = corpus
+
+    async def go(endpoints):
+        async with ToolClient(endpoints, TOOL_SCHEMAS) as client:
+            started = time.perf_counter()
+            page = await client.call("cat", _args(path=item["gold_pages"][0]), item=item, trace_id=new_trace_id())
+            return page, time.perf_counter() - started
+
+    with tool_endpoints_in_process(root, faults=FaultConfig(latency_ms=200)) as endpoints:
+        page, seconds = asyncio.run(go(endpoints))
+        base = endpoints[0].server_url.rsplit("/tools/", 1)[0]
+    assert page.error is None and page.output == (root / item["gold_pages"][0]).read_text()
+    assert seconds >= 0.2  # the child's fault config: its latency, not a wall-time bound
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{base}/health", timeout=2)
