@@ -5,7 +5,7 @@ gates: ten GRPO steps at 0.4 a tool call make a candidate clearly better than th
 which the gates promote on the test items when each is sampled 16 times. Only the test of
 that decision needs them (`LEARNS`); the other tests keep the preset's three steps and 4
 samples per test item. Rollouts run 8 at a time; a test that compares two runs' numbers
-exactly runs them one at a time. The fixtures that build the world live in
+exactly, or needs one run's outcome, runs them one at a time. The fixtures that build the world live in
 `tests/conftest.py`.
 """
 
@@ -17,7 +17,11 @@ from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS
 from trainer.config import config_from_dict, merge_overrides
 
 # What the test of the promotion decision adds to the preset (see the module docstring).
-LEARNS = {"training": {"max_steps": 10, "eval_interval": 5, "checkpoint_interval": 5}, "promotion": {"k": 16}}
+# Its rollouts run one at a time: with 8, which sequences share an engine batch depends on when
+# tool answers arrive (the machine's load), the logits move in the last bits with the batch,
+# and ten steps at this learning rate can end anywhere (a loaded CI run trained to 0.5).
+LEARNS = {"training": {"max_steps": 10, "eval_interval": 5, "checkpoint_interval": 5}, "promotion": {"k": 16},
+          "rollout": {"max_concurrent_rollouts": 1}}
 
 
 def micro(world: Path, endpoints, model: Path, **overrides):

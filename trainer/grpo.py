@@ -373,7 +373,11 @@ class GRPOTrainer:
                 ),
             )
         if training.gradient_checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:  # transformers before activation_checkpointing_enable (5.17 has only this name)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.whole = None  # under FSDP: the unsharded copy that samples
         if self.distributed == "fsdp":
