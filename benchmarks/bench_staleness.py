@@ -5,7 +5,7 @@ Synchronously, a step samples its rollouts (the tools' waits included), then upd
 weights: the two add up. One step off-policy, step t+1's rollouts are sampled (with the
 weights of step t - 1) while step t updates, so a step costs about the longer of the two,
 and TIS weighs each token for the lag. On the embedded engine a frozen copy of the weights
-samples, in a child process by default (`--sampler`, `rollout.overlap_sampler`): in a
+samples, in a child process by default on a CPU (`--sampler`, `rollout.overlap_sampler`): in a
 thread it shares the trainer's GIL, and with this tiny model both halves are Python-bound,
 so they mostly take turns.
 
@@ -27,7 +27,7 @@ validation items (1e-4); at 3e-4 the off-policy arm lost 0.14 of validation scor
 of 6 seeds (6 steps of 2 x 8), as a policy that moves too far in a step makes a one-step-old
 sample a poor guide.
 
-    python -m benchmarks.bench_staleness [--backend transformers|vllm] [--sampler process|thread]
+    python -m benchmarks.bench_staleness [--backend transformers|vllm] [--sampler auto|process|thread]
         [--steps 12] [--seeds 3] [--ppo-epochs 4] [--latency-ms 300] [--json out.json]
 """
 
@@ -100,10 +100,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
                         help="where rollouts are generated: the embedded engine (a frozen copy of the weights, in "
                         "a thread beside the update) or one vLLM server launched here from .venv-vllm")
-    parser.add_argument("--sampler", choices=["process", "thread"], default="process",
-                        help="embedded engine: where the frozen copy samples (rollout.overlap_sampler)")
+    parser.add_argument("--sampler", choices=["auto", "process", "thread"], default="auto",
+                        help="embedded engine: where the frozen copy samples (rollout.overlap_sampler; auto: a "
+                        "process on a CPU, a thread on a GPU)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.sampler == "auto":
+        args.sampler = "thread" if torch.cuda.is_available() else "process"
     torch.set_num_threads(args.threads)
     world = taught_world()
     seeds = [3 + n for n in range(args.seeds)]
