@@ -22,9 +22,9 @@ trl 1200 (a learning-rate grid for each trainer on the validation items, then th
 comparison), training 540, pipeline 3 x 200 (a failed run is not repeated), vllm 840 (only
 where .venv-vllm exists; 3 steps, 16 rollouts per item), memory 600 (one update at
 Qwen's vocabulary before and after, about 2 minutes and 14 GiB at the peak of "before"),
-staleness, staleness_ppo2 and staleness_thread 420 each (both arms, 3 seeds, 12 steps, 2 to
-3 minutes each), staleness_vllm 720 (the same on one vLLM server, about 4 minutes): 106
-minutes at worst, 40 to 50 typically.
+staleness 480 (both arms, 5 seeds, 12 steps, about 3 minutes), staleness_ppo2 and
+staleness_thread 420 each (3 seeds, about 2 minutes each), staleness_vllm 720 (3 seeds on
+one vLLM server, about 4 minutes): 107 minutes at worst, 40 to 50 typically.
 
     python benchmarks/run_all.py [--json benchmarks/results.json] [--only trl training] [--logs DIR]
 
@@ -71,7 +71,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], int, int]] = {
     # max_staleness 1 / 0: the update's share of a step is what the overlap can hide
     # (ppo_epochs 4: about 0.7 of the sampling, 2: about 0.35); the frozen copy samples in a
     # child process, or in a thread of the trainer (its GIL shared with the update).
-    "staleness": ("bench_staleness", ["--steps", "12", "--seeds", "3", "--ppo-epochs", "4"], 420, 1),
+    "staleness": ("bench_staleness", ["--steps", "12", "--seeds", "5", "--ppo-epochs", "4"], 480, 1),
     "staleness_ppo2": ("bench_staleness", ["--steps", "12", "--seeds", "3", "--ppo-epochs", "2"], 420, 1),
     "staleness_thread": ("bench_staleness", ["--steps", "12", "--seeds", "3", "--ppo-epochs", "4",
                                              "--sampler", "thread"], 420, 1),

@@ -176,7 +176,9 @@ def test_worse_candidate_is_never_champion_and_rollback_works(first_run, world, 
     from flows.pipeline import agent_rft_pipeline, pipeline_parameters, promote_model
 
     config, first = first_run
-    worse = micro(world, endpoints, taught_model, mlflow=_own_store(world), training={"learning_rate": 3.0, "ppo_epochs": 4})
+    # the first run's rollout settings, so that its first three stages are served from cache
+    worse = micro(world, endpoints, taught_model, mlflow=_own_store(world), rollout=LEARNS["rollout"],
+                  training={"learning_rate": 3.0, "ppo_epochs": 4})
     outcome = agent_rft_pipeline(**pipeline_parameters(worse))
     cached = {name for name, stage in outcome["stages"].items() if stage["cached"]}
     assert cached == {"validate_data", "baseline", "prompt_optimization"}
