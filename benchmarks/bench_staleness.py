@@ -16,9 +16,12 @@ per step at `--learning-rate`, tools behind 300 ms of latency (envs/finqa/faults
 process of their own, as a user's tool server is. Time is the steps' wall time without
 their evaluations. Each trained model is then scored on the validation split (`--eval-k`
 samples per item, 0 ms tools, one seed): "at equal score" means the off-policy arm's mean
-is within the seeds' spread of the synchronous arm's. Reported per seed: the speedup, each
-arm's sampling and update seconds per step, and the bound a perfect overlap of the
-synchronous arm's two halves would give, (sampling + update) / max(sampling, update).
+is within the seeds' spread of the synchronous arm's. Reported per seed: the speedup over
+the whole run, each arm's sampling and update seconds per step, the bound a perfect
+overlap of the synchronous arm's two halves would give, (sampling + update) /
+max(sampling, update), and the steady-state speedup: the ratio of the median step times
+of steps 2 to N - 1 (off-policy, nothing overlaps the first step's sampling or the last
+step's update, which a run of N steps pays once).
 
 The overlap can only hide the shorter half: 1.5x needs an update that takes at least half
 as long as the sampling. `--ppo-epochs` sets that share here (4: about 0.7 of the
@@ -77,6 +80,9 @@ def one_run(world: TaughtWorld, endpoints: list[ToolEndpoint], staleness: int, s
     return {
         "staleness": staleness, "seed": seed, "steps": len(rows), "wall_s": wall,
         "seconds": sum(r["timing/step_s"] - r["timing/eval_s"] for r in rows),
+        # the steps between the first (its sampling overlaps nothing) and the last (its update)
+        "steady_step_s": (statistics.median(r["timing/step_s"] - r["timing/eval_s"] for r in rows[1:-1])
+                          if len(rows) > 2 else None),
         "sampling_s": statistics.mean(r["timing/sampling_s"] for r in rows),
         "training_s": statistics.mean(r["timing/training_s"] for r in rows),
         "reward_mean": statistics.mean(r["train/reward_mean"] for r in rows),
@@ -137,13 +143,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     run["eval"] = eval_score(run.pop("model"), world, endpoints, args.eval_k, "validation")
     speedups = [(s["steps"] / s["seconds"]) / (o["steps"] / o["seconds"]) for o, s in zip(runs[0], runs[1], strict=True)]
     bounds = [(o["sampling_s"] + o["training_s"]) / max(o["sampling_s"], o["training_s"]) for o in runs[0]]
+    steady = ([o["steady_step_s"] / s["steady_step_s"] for o, s in zip(runs[0], runs[1], strict=True)]
+              if args.steps > 2 else [])
     scores = {arm: [r["eval"]["score"] for r in runs[arm]] for arm in runs}
     results = {
         "steps": args.steps, "seeds": seeds, "latency_ms": args.latency_ms, "batch_size": args.batch_size,
         "group_size": args.group_size, "ppo_epochs": args.ppo_epochs, "learning_rate": args.learning_rate, "eval_k": args.eval_k,
         "threads": args.threads, "backend": args.backend,
         "sampler": args.sampler if args.backend == "transformers" else None,
-        "runs": runs, "speedups": speedups, "overlap_bounds": bounds,
+        "runs": runs, "speedups": speedups, "steady_speedups": steady, "overlap_bounds": bounds,
         "score_sync": scores[0], "score_off_policy": scores[1],
         "score_sync_mean": statistics.mean(scores[0]), "score_off_policy_mean": statistics.mean(scores[1]),
     }
@@ -155,6 +163,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\nspeedup off-policy / sync per seed: {', '.join(f'{x:.2f}' for x in speedups)} "
           f"(median {statistics.median(speedups):.2f}; a perfect overlap of the sync arm's parts: "
           f"{', '.join(f'{b:.2f}' for b in bounds)})")
+    if steady:
+        print(f"steady state (median step of steps 2 to {args.steps - 1}): {', '.join(f'{x:.2f}' for x in steady)} "
+              f"(median {statistics.median(steady):.2f})")
     print(f"validation score: sync {results['score_sync_mean']:.3f} {scores[0]}, "
           f"off-policy {results['score_off_policy_mean']:.3f} {scores[1]}")
     if args.json:

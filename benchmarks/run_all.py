@@ -355,6 +355,10 @@ def staleness_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     sync_scores, off_scores = r["score_sync"], r["score_off_policy"]
     # "at equal score": the off-policy mean within the seeds' spread of the synchronous arm
     equal = min(sync_scores) <= r["score_off_policy_mean"] <= max(sync_scores)
+    steady = r.get("steady_speedups") or []
+    if steady:
+        parts += (f"; steady state (median step of steps 2 to {r['steps'] - 1}): "
+                  f"{', '.join(f'{x:.2f}' for x in steady)}, median {statistics.median(steady):.2f}")
     return [
         ranged(f"steps/s, max_staleness 1 / 0, {r['latency_ms']:g} ms tools, {arm}", spread_of(r["speedups"]),
                1.5, f"per seed {', '.join(f'{x:.2f}' for x in r['speedups'])}; {parts}; {setting}"),

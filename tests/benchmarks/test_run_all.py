@@ -85,6 +85,9 @@ def test_staleness_rows_name_the_sampler_and_judge_the_score_by_the_sync_seeds_r
     assert speed["figure"] == "steps/s, max_staleness 1 / 0, 300 ms tools, transformers process, ppo_epochs 4"
     assert (speed["value"], speed["min"], speed["max"], speed["verdict"]) == (1.53, 1.49, 1.59, "straddles")
     assert score["value"] == "0.817 vs 0.797" and score["verdict"] == "met"
+    assert "steady state" not in speed["note"]
+    speed, _ = staleness_rows([_staleness_result([0.8] * 3, [0.8] * 3, steady_speedups=[1.6, 1.7, 1.5])])
+    assert "steady state (median step of steps 2 to 11): 1.60, 1.70, 1.50, median 1.60" in speed["note"]
     _, lower = staleness_rows([_staleness_result([0.78, 0.72, 0.90], [0.77, 0.70, 0.55])])
     assert lower["verdict"] == "not met"  # 0.673 is below every synchronous seed
     speed, _ = staleness_rows([_staleness_result([0.8] * 3, [0.8] * 3, backend="vllm", sampler=None)])
