@@ -95,15 +95,8 @@ class LocalGenerator:
         return self.copy is None
 
     def backend(self, seed: int) -> GenerationBackend:
-        trainer, rollout = self.trainer, self.trainer.config.rollout
-        model = trainer.sampling_model() if self.copy is None else self.copy
-        return TransformersBackend(
-            model,
-            stop_token_ids=trainer.stop_token_ids,
-            max_slots=rollout.max_concurrent_rollouts,
-            max_len=rollout.max_total_tokens,
-            seed=seed,
-        )
+        model = self.trainer.sampling_model() if self.copy is None else self.copy
+        return self.trainer.rollout_context.engine(model, seed)
 
     def sample(self, context: RolloutContext, items: list[dict[str, Any]], n: int, seed: int,
                version: int) -> list[RolloutRecord]:
