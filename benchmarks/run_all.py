@@ -350,8 +350,8 @@ def staleness_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     setting = (f"{r['steps']} steps of {r['batch_size']} items x {r['group_size']}, ppo_epochs {r['ppo_epochs']}, "
                f"learning rate {r['learning_rate']:g}, {r['latency_ms']:g} ms tools, {where}, seeds {r['seeds']}")
     parts = (f"sync arm: sampling {statistics.median(x['sampling_s'] for x in sync):.2f} s + update "
-             f"{statistics.median(x['training_s'] for x in sync):.2f} s a step (medians), a perfect overlap of which "
-             f"gives {', '.join(f'{b:.2f}' for b in r['overlap_bounds'])}x")
+             f"{statistics.median(x['training_s'] for x in sync):.2f} s a step (medians); a perfect overlap of its "
+             f"steps (each the longer of its two halves) gives {', '.join(f'{b:.2f}' for b in r['overlap_bounds'])}x")
     sync_scores, off_scores = r["score_sync"], r["score_off_policy"]
     # "at equal score": the off-policy mean within the seeds' spread of the synchronous arm
     equal = min(sync_scores) <= r["score_off_policy_mean"] <= max(sync_scores)
