@@ -2,8 +2,9 @@
 
 `make_generator(config, trainer, work_dir)` gives the trainer an object with these methods:
 
-- `sample(context, items, n, seed, version)`: `n` rollouts of each item with the current
-  weights (a `RolloutContext` holds the rest: chat format, tools, grader, settings);
+- `sample(items, n, seed, version)`: `n` rollouts of each item with the current weights
+  (the trainer's `rollout_context`, a `RolloutContext`, holds the rest: chat format,
+  tools, grader, settings);
 - `sync(step)`: called after each optimizer step (and after a resume), so that the next
   rollouts see the new weights;
 - `metrics()`: what each step logs about it (`infra/replicas_alive` on vLLM);
@@ -98,9 +99,8 @@ class LocalGenerator:
         model = self.trainer.sampling_model() if self.copy is None else self.copy
         return self.trainer.rollout_context.engine(model, seed)
 
-    def sample(self, context: RolloutContext, items: list[dict[str, Any]], n: int, seed: int,
-               version: int) -> list[RolloutRecord]:
-        return context.run(self.backend(seed), items, n, seed, version)
+    def sample(self, items: list[dict[str, Any]], n: int, seed: int, version: int) -> list[RolloutRecord]:
+        return self.trainer.rollout_context.run(self.backend(seed), items, n, seed, version)
 
     def sync(self, step: int) -> None:
         """The live weights need nothing; a frozen copy takes the trainer's current ones."""
@@ -146,7 +146,7 @@ class ProcessSampler(LocalGenerator):
 
     START_TIMEOUT_S = 300.0
 
-    def __init__(self, trainer: Any, context: RolloutContext):
+    def __init__(self, trainer: Any):
         super().__init__(trainer, frozen=True)
         import torch.multiprocessing as mp
 
@@ -154,16 +154,13 @@ class ProcessSampler(LocalGenerator):
         spawn = mp.get_context("spawn")
         self.conn, child = spawn.Pipe()
         self.lock = threading.Lock()
-        started = time.perf_counter()
-        self.process = spawn.Process(target=_sampler_main, args=(child, self.copy, context, torch.get_num_threads()),
-                                     name="agentrft-sampler", daemon=True)
+        self.process = spawn.Process(target=_sampler_main, name="agentrft-sampler", daemon=True,
+                                     args=(child, self.copy, trainer.rollout_context, torch.get_num_threads()))
         self.process.start()
         child.close()
         self._reply(timeout_s=self.START_TIMEOUT_S, doing="starting")
-        self.startup_s = time.perf_counter() - started
 
-    def sample(self, context: RolloutContext, items: list[dict[str, Any]], n: int, seed: int,
-               version: int) -> list[RolloutRecord]:
+    def sample(self, items: list[dict[str, Any]], n: int, seed: int, version: int) -> list[RolloutRecord]:
         with self.lock:
             try:
                 self.conn.send((items, n, seed, version))
@@ -233,11 +230,11 @@ def overlap_in_process(config: Any, model: torch.nn.Module) -> bool:
 
 
 @contextmanager
-def make_generator(config: Any, trainer: Any, work_dir: Path, context: RolloutContext) -> Iterator[Any]:
+def make_generator(config: Any, trainer: Any, work_dir: Path) -> Iterator[Any]:
     """The generator the config asks for, stopped (servers and processes it started included) on exit."""
     if config.rollout.backend == "transformers":
         if config.training.max_staleness and overlap_in_process(config, trainer.sampling_model()):
-            sampler = ProcessSampler(trainer, context)
+            sampler = ProcessSampler(trainer)
             try:
                 yield sampler
             finally:

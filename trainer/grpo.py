@@ -401,8 +401,7 @@ class GRPOTrainer:
 
         self.rollout_context = RolloutContext(self.chat, self.config, self.endpoints, self.settings,
                                               list(self.stop_token_ids))
-        self.generator = self._exit.enter_context(make_generator(self.config, self, self.output_dir,
-                                                                 self.rollout_context))
+        self.generator = self._exit.enter_context(make_generator(self.config, self, self.output_dir))
 
         self.checkpoints_dir = self.output_dir / "checkpoints"
         self.rollouts_dir = self.output_dir / "rollouts"
@@ -633,7 +632,7 @@ class GRPOTrainer:
         if model is not None:
             model.eval()
         try:
-            return self.generator.sample(self.rollout_context, items, n, seed, version)
+            return self.generator.sample(items, n, seed, version)
         finally:
             if model is not None:
                 model.train()

@@ -431,9 +431,9 @@ class VllmGenerator:
             deadline=(vcfg.turn_deadline_s, vcfg.turn_deadline_per_token_s),
         )
 
-    def sample(self, context: Any, items: list[dict[str, Any]], n: int, seed: int, version: int) -> list[Any]:
-        """`n` rollouts of each item on the servers (a `trainer.backends.RolloutContext` runs them)."""
-        return context.run(self.backend(seed), items, n, seed, version)
+    def sample(self, items: list[dict[str, Any]], n: int, seed: int, version: int) -> list[Any]:
+        """`n` rollouts of each item on the servers (the trainer's `rollout_context` runs them)."""
+        return self.trainer.rollout_context.run(self.backend(seed), items, n, seed, version)
 
     def metrics(self) -> dict[str, float]:
         """What the step logs about the servers (this process's view)."""

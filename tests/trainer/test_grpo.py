@@ -576,11 +576,11 @@ def test_an_error_in_the_sampler_process_is_raised_in_the_trainer(world, endpoin
                           output_dir=world / "sampler_error")
     trainer.setup()
     try:
-        generator, context = trainer.generator, trainer.rollout_context
+        generator = trainer.generator
         with pytest.raises(Exception) as raised:
-            generator.sample(context, [{"id": "no-messages"}], 1, 0, 0)
+            generator.sample([{"id": "no-messages"}], 1, 0, 0)
         assert any("raised in the sampler process" in note for note in getattr(raised.value, "__notes__", []))
-        records = generator.sample(context, trainer.train_items[:1], 2, 0, 0)
+        records = generator.sample(trainer.train_items[:1], 2, 0, 0)
         assert len(records) == 2 and all(r.policy_version == 0 for r in records)
         assert generator.process.is_alive()
     finally:
