@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from trainer import vllm_servers
 from trainer.errors import ConfigError
-from trainer.vllm_servers import kv_cache_bytes, server_args
+from trainer.vllm_servers import cpu_thread_env, kv_cache_bytes, server_args
 
 # Qwen3-0.6B's attention: 28 layers, 8 KV heads of 128 dimensions, bf16.
 QWEN3_06B = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
@@ -54,3 +55,19 @@ def test_a_launch_is_sized_unless_the_user_says_how_much_memory(model_dir: Path)
         assert args.count("--kv-cache-memory-bytes") == 0 and args[-len(given):] == given
     with pytest.raises(ConfigError, match="cannot read the model's config"):
         server_args(max_model_len=4096, model_dir=model_dir / "missing")
+
+
+def test_a_cpu_server_takes_half_the_cores_unbound_unless_the_environment_says(monkeypatch: pytest.MonkeyPatch):
+    # vLLM's default, an OpenMP thread spinning on every core, sampled 6x slower beside an update
+    monkeypatch.setattr(vllm_servers.os, "sched_getaffinity", lambda _: set(range(8)))
+    assert cpu_thread_env({}) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "4"}
+    monkeypatch.setattr(vllm_servers.os, "sched_getaffinity", lambda _: {0})
+    assert cpu_thread_env({"PATH": "/bin"})["OMP_NUM_THREADS"] == "1"  # at least one
+    assert cpu_thread_env({"OMP_NUM_THREADS": "3"}) == {}
+    assert cpu_thread_env({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}) == {}
+    for name in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(vllm_servers, "cuda_available", lambda: False)
+    assert server_args(max_model_len=256)[1]["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setattr(vllm_servers, "cuda_available", lambda: True)  # a GPU server: vLLM's own threads
+    assert "OMP_NUM_THREADS" not in server_args(max_model_len=256)[1]
