@@ -442,11 +442,14 @@ def cuda_available() -> bool:
 
 def cpu_thread_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """OpenMP threads of a launched server on a CPU, which shares the machine with the
-    trainer. vLLM's default is a thread on every core, each spinning while it waits for the
-    others: beside an update, every parallel region waits for a thread the update pushed off
-    its core, and sampling took 6x as long (2 cores, a tiny model: 0.8 s alone, 4.7 s beside
-    an update; with one server thread, 0.7 s and 0.8 s). The server gets half the cores, unbound, so the trainer keeps the
-    rest. OMP_NUM_THREADS or VLLM_CPU_OMP_THREADS_BIND in the environment are left as set."""
+    trainer. vLLM's default binds its worker's OpenMP threads to cores (all but one), where a
+    busy trainer thread on the same core stalls them; with the engine in the API server's
+    process, it runs a thread on every core, each spinning while it waits for the others,
+    and a parallel region waits for the thread an update pushed off its core. On 2 cores (benchmarks/bench_vllm_threads.py) a
+    batch of rollouts took 3.5 s beside an update and 1.8 s alone with the worker bound,
+    4.7 s and 0.8 s in one process; with half the cores unbound, 1.9 s and 0.9 s, and 0.9 s
+    and 0.7 s. The server gets half the cores, unbound, and the trainer keeps the rest.
+    OMP_NUM_THREADS or VLLM_CPU_OMP_THREADS_BIND in the environment are left as set."""
     environ = os.environ if environ is None else environ
     if {"OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"} & set(environ):
         return {}
