@@ -442,16 +442,16 @@ def cuda_available() -> bool:
 
 def cpu_thread_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """OpenMP threads of a launched server on a CPU, which shares the machine with the
-    trainer. vLLM's default binds its worker's OpenMP threads to cores (all but one), where a
-    busy trainer thread on the same core stalls them; with the engine in the API server's
-    process, it runs a thread on every core, each spinning while it waits for the others,
-    and a parallel region waits for the thread an update pushed off its core. On 2 cores (benchmarks/bench_vllm_threads.py) a
-    batch of rollouts took 3.5 s beside an update and 1.8 s alone with the worker bound,
-    4.7 s and 0.8 s in one process; with half the cores unbound, 1.9 s and 0.9 s, and 0.9 s
-    and 0.7 s. The server gets half the cores, unbound, and the trainer keeps the rest.
-    OMP_NUM_THREADS or VLLM_CPU_OMP_THREADS_BIND in the environment are left as set."""
+    trainer: half the cores, unbound. vLLM's default binds its worker's threads to cores
+    (all but one), where a busy trainer thread on the same core stalls them; with the engine
+    in the API server's process it spins a thread on every core, and each parallel region
+    waits for the thread an update pushed off its core. On 2 cores a batch of rollouts beside
+    an update took 3.5 s with the worker bound and 4.7 s in one process, against 1.9 s and
+    0.9 s with these settings (benchmarks/bench_vllm_threads.py). A VLLM_CPU_OMP_THREADS_BIND
+    in the environment, vLLM's own setting, is left as set (with any OMP_NUM_THREADS); an
+    OMP_NUM_THREADS alone is the trainer's (torchrun sets 1) and the server gets its share."""
     environ = os.environ if environ is None else environ
-    if {"OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"} & set(environ):
+    if "VLLM_CPU_OMP_THREADS_BIND" in environ:
         return {}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(max(1, cores // 2))}
