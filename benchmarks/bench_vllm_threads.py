@@ -21,6 +21,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,13 +33,14 @@ from tests.taught_model import OUTPUT_CHARS
 from trainer.grpo import GRPOTrainer
 from trainer.vllm_servers import cpu_thread_env, launched_server, server_args
 
+OURS = cpu_thread_env({})
 SETTINGS = {
     "vLLM's default": {"VLLM_CPU_OMP_THREADS_BIND": "auto"},
-    "server_args (half the cores, unbound)": cpu_thread_env({}),
+    "server_args (half the cores, unbound)": OURS,
 }
 
 
-def update_forever(model_dir: str, stop, ready) -> None:  # noqa: ANN001 (multiprocessing events)
+def update_forever(model_dir: str, stop: Any, ready: Any) -> None:
     """What the trainer's update does to the cores: passes of the same model, until stopped."""
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -65,7 +67,7 @@ def batch_seconds(trainer: GRPOTrainer, batches: int) -> list[float]:
 def one_setting(world, endpoints, env: dict[str, str], args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     argv, base_env = server_args(max_model_len=768, model_dir=world.model, max_concurrent=32,
                                  extra_args=["--dtype", "float32", "--enforce-eager"])
-    env = {**{k: v for k, v in base_env.items() if k not in cpu_thread_env({})}, **env}
+    env = {**{k: v for k, v in base_env.items() if k not in OURS}, **env}
     if args.in_process_engine:
         env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         argv += ["--distributed-executor-backend=uni"]
