@@ -448,8 +448,8 @@ def cpu_thread_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     waits for the thread an update pushed off its core. On 2 cores (bench_vllm_threads.py,
     three runs) a batch of rollouts took 1.7-2.7 s alone with the worker bound, 0.8-0.9 s with
     these settings, and beside an update 1.0-3.7 s against 1.2-1.9 s; with the engine in one
-    process, 4.7 s against 0.9 s beside an update. A VLLM_CPU_OMP_THREADS_BIND
-    in the environment, vLLM's own setting, is left as set (with any OMP_NUM_THREADS); an
+    process, 4.7 s against 0.9 s beside an update. A VLLM_CPU_OMP_THREADS_BIND in the
+    environment, vLLM's own setting, is left as set (with any OMP_NUM_THREADS); an
     OMP_NUM_THREADS alone is the trainer's (torchrun sets 1) and the server gets its share."""
     environ = os.environ if environ is None else environ
     if "VLLM_CPU_OMP_THREADS_BIND" in environ:
