@@ -43,10 +43,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from envs.finqa.demo import DEMO_CONFIG, ensure_data, run_demo, tool_server
+from envs.finqa.demo import DEMO_CONFIG, ensure_data, tool_server
+from flows.demo import run_demo
 from tasks.evaluate import compare
 from tasks.rollout_eval import evaluate_model
-from trainer.config import load_config
+from trainer.config.loading import load_config
 from trainer.data import split_items
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,15 +59,15 @@ CODE = ("trainer", "tasks", "envs", "flows", "configs", "data.dvc", "pyproject.t
         "benchmarks/bench_data_scaling.py")
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+def _git(*args: str, repo: Path = REPO) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
 
 
-def code_key() -> str:
+def code_key(repo: Path = REPO) -> str:
     """A hash of the committed trees of `CODE`, with "-dirty" when any of them has
     uncommitted changes (such an arm is never kept for another run)."""
-    trees = "\n".join(f"{path} {_git('rev-parse', f'HEAD:{path}')}" for path in CODE)
-    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
+    trees = "\n".join(f"{path} {_git('rev-parse', f'HEAD:{path}', repo=repo)}" for path in CODE)
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE, repo=repo)
     return hashlib.sha256(trees.encode()).hexdigest()[:16] + ("-dirty" if dirty else "")
 
 

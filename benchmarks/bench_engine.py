@@ -28,12 +28,9 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from trainer.engine import (
-    SamplingParams,
-    TransformersBackend,
-    sequence_generator,
-    sequential_generate,
-)
+from trainer.generation.backend import SamplingParams
+from trainer.generation.engine import TransformersBackend
+from trainer.generation.sampling import sequence_generator, sequential_generate
 
 
 def demo_model(vocab_size: int) -> Qwen3ForCausalLM:

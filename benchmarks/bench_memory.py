@@ -2,7 +2,7 @@
 the completion span (before issue 30) against the fused, recomputed projection over the
 generated tokens only (after).
 
-The update is `PolicyUpdate.update` of trainer/update.py on a random Qwen3 with Qwen's
+The update is `PolicyUpdate.update` of trainer/rl/update.py on a random Qwen3 with Qwen's
 vocabulary (151,936 tokens), narrow so that the vocabulary dominates (hidden 64, 2 layers),
 in float32 on the CPU: one micro-batch of 2 rollouts, each a 256-token prompt and a 4,096-
 position span in which the model generated four turns of 512 tokens between three tool
@@ -41,9 +41,9 @@ import torch
 from benchmarks.bench_training import peak_rss_mib, rss_mib, update_trainer
 from benchmarks.taught_world import taught_world
 from envs.finqa.tiny_model import tiny_config
-from trainer.loss import chunked_logprobs
-from trainer.rollout import RolloutRecord
-from trainer.update import PolicyUpdate
+from trainer.rl.loss import chunked_logprobs
+from trainer.rl.update import PolicyUpdate
+from trainer.rollout.record import RolloutRecord
 
 VOCAB, HIDDEN, LAYERS = 151_936, 64, 2
 PROMPT, SPAN, TURN = 256, 4096, 512

@@ -21,10 +21,10 @@ from typing import Any
 
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS, copy_items, fit_tiny_model
-from trainer.config import config_from_dict
+from trainer.config.loading import config_from_dict
 from trainer.data import read_items, read_jsonl
-from trainer.grpo import train
-from trainer.tools import ToolClient
+from trainer.rl.grpo import train
+from trainer.rollout.tool_client import ToolClient
 
 REPO = Path(__file__).resolve().parent.parent
 

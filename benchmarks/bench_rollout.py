@@ -43,11 +43,13 @@ import torch
 
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import local_tool_endpoints
-from trainer.config import load_config
+from trainer.config.loading import load_config
 from trainer.data import split_items
-from trainer.policy import load_policy
-from trainer.rollout import MIN_TURN_TOKENS, RolloutSettings, run_rollouts_async
-from trainer.tools import ToolClient, new_trace_id
+from trainer.generation.policy import load_policy
+from trainer.rollout.loop import MIN_TURN_TOKENS, run_rollouts_async
+from trainer.rollout.record import RolloutSettings
+from trainer.rollout.tool_client import ToolClient
+from trainer.wire import new_trace_id
 
 
 @dataclass

@@ -54,10 +54,10 @@ from benchmarks.taught_world import TaughtWorld, taught_world, training_config
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import local_tool_endpoints, tool_endpoints_in_process
 from tests.taught_model import OUTPUT_CHARS
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_jsonl
-from trainer.grpo import train
-from trainer.tools import ToolEndpoint
-from trainer.vllm_servers import launched_server, server_args
+from trainer.generation.vllm_launch import launched_server, server_args
+from trainer.rl.grpo import train
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 

@@ -48,9 +48,9 @@ import numpy as np
 
 from envs.finqa.search import DEFAULT_CACHE_DIR, SearchIndex, corpus_pages
 from envs.finqa.tool_schemas import TOOL_NAMES, TOOL_SCHEMAS
-from trainer.config import ToolsConfig
+from trainer.config.tools import ToolEndpoint, ToolsConfig
 from trainer.errors import InfraError
-from trainer.tools import ToolClient, ToolEndpoint
+from trainer.rollout.tool_client import ToolClient
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,7 @@ def demo_corpus() -> tuple[Path, list[str]]:
     """The demo corpus and its validation questions: data/, regenerated from its seed and
     checked against data.dvc when a fresh clone lacks it."""
     from envs.finqa.demo import DEMO_CONFIG, ensure_data
-    from trainer.config import load_config
+    from trainer.config.loading import load_config
 
     config = load_config(DEMO_CONFIG)
     ensure_data(config)

@@ -5,7 +5,7 @@ the step's time grows with the group size and the batch.
 (1) FLOP rate. The machine's peak is the best of several float32 matmuls (2048^3 on CPU,
     bf16 8192^3 on a GPU) at the same thread count, measured before and after the step
     (the better one counts). The step is our GRPO update (`PolicyUpdate.update` of
-    trainer/update.py: the micro-batch losses, backward, gradient clipping and AdamW) on
+    trainer/rl/update.py: the micro-batch losses, backward, gradient clipping and AdamW) on
     rollouts of `--seq-len` tokens (half of them generated) of a Qwen3 wide enough that
     matmuls dominate. FLOPs counted: 6 * N * T for the forward and backward of every
     matmul weight (N includes the LM head, not the embedding lookup; T counts every
@@ -60,11 +60,11 @@ from benchmarks.taught_world import TaughtWorld, taught_world, training_config
 from envs.finqa.local import local_tool_endpoints
 from envs.finqa.tiny_model import build_model, tiny_config
 from tests.taught_model import OUTPUT_CHARS
-from trainer.grpo import GRPOTrainer
-from trainer.loss import chunked_logprobs
-from trainer.rollout import RolloutRecord
-from trainer.tools import ToolEndpoint
-from trainer.update import PolicyUpdate
+from trainer.config.tools import ToolEndpoint
+from trainer.rl.grpo import GRPOTrainer
+from trainer.rl.loss import chunked_logprobs
+from trainer.rl.update import PolicyUpdate
+from trainer.rollout.record import RolloutRecord
 
 # The update never calls a tool; the trainer still wants endpoints to exist.
 NO_TOOLS = [ToolEndpoint(name=name, server_url=f"http://127.0.0.1:9/tools/{name}") for name in ("list", "cat")]
@@ -73,7 +73,7 @@ NO_TOOLS = [ToolEndpoint(name=name, server_url=f"http://127.0.0.1:9/tools/{name}
 class FullSequenceLogprobs(PolicyUpdate):
     """The update as it was before issue 17 (for the "before" figure only): logits at
     every position of the whole sequences, then one float32 log-softmax over all of them,
-    cut to the completion span afterwards. The change to trainer/update.py that this
+    cut to the completion span afterwards. The change to trainer/rl/update.py that this
     undoes: `logits_to_keep=width - first + 1` in the forward and `chunk=logprob_chunk_tokens`
     in `chunked_logprobs`."""
 

@@ -93,13 +93,14 @@ from benchmarks.taught_world import TaughtWorld, taught_world, training_config
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_jsonl
-from trainer.evaluate import run_evaluation
+from trainer.generation.policy import load_policy
 from trainer.graders import grade, sample_from_text
-from trainer.grpo import train
-from trainer.policy import load_policy
-from trainer.rollout import RolloutSettings
-from trainer.tools import ToolClient, ToolEndpoint
+from trainer.rl.grpo import train
+from trainer.rollout.evaluate import run_evaluation
+from trainer.rollout.record import RolloutSettings
+from trainer.rollout.tool_client import ToolClient
 
 EVAL_SEED = 1234
 GRID = (1e-4, 3e-4, 1e-3)  # learning rates; each side takes its best on the validation items

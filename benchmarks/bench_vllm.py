@@ -29,12 +29,16 @@ from typing import Any
 from benchmarks.taught_world import TaughtWorld, taught_world
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS
-from trainer.config import PipelineConfig, config_from_dict
+from trainer.config.loading import config_from_dict
+from trainer.config.pipeline import PipelineConfig
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_jsonl
-from trainer.engine import GenerationBackend, TransformersBackend
-from trainer.grpo import GRPOTrainer
-from trainer.rollout import RolloutRecord, run_rollouts_async
-from trainer.tools import ToolClient, ToolEndpoint
+from trainer.generation.backend import GenerationBackend
+from trainer.generation.engine import TransformersBackend
+from trainer.rl.grpo import GRPOTrainer
+from trainer.rollout.loop import run_rollouts_async
+from trainer.rollout.record import RolloutRecord
+from trainer.rollout.tool_client import ToolClient
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20),

@@ -30,8 +30,8 @@ from benchmarks.taught_world import taught_world, training_config
 from envs.finqa.faults import FaultConfig
 from envs.finqa.local import tool_endpoints_in_process
 from tests.taught_model import OUTPUT_CHARS
-from trainer.grpo import GRPOTrainer
-from trainer.vllm_servers import cpu_thread_env, launched_server, server_args
+from trainer.generation.vllm_launch import cpu_thread_env, launched_server, server_args
+from trainer.rl.grpo import GRPOTrainer
 
 OURS = cpu_thread_env({})
 SETTINGS = {

@@ -29,12 +29,12 @@ from rich.table import Table
 
 from envs.finqa.demo import DEMO_CONFIG, tool_server
 from tasks.evaluate import compare
-from trainer.config import load_config
+from trainer.config.loading import load_config
 from trainer.data import split_items
-from trainer.evaluate import EvalSummary, run_evaluation
-from trainer.policy import load_policy, local_model_path
-from trainer.rollout import RolloutSettings
-from trainer.tools import ToolClient
+from trainer.generation.policy import load_policy, local_model_path
+from trainer.rollout.evaluate import EvalSummary, run_evaluation
+from trainer.rollout.record import RolloutSettings
+from trainer.rollout.tool_client import ToolClient
 
 ROWS = (("score_mean", "score"), ("best_of_k_mean", "best-of-k"), ("tool_calls_mean", "tool calls / rollout"),
         ("tokens_mean", "generated tokens / rollout"), ("latency_s_p50", "latency p50 (s)"))

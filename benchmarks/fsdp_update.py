@@ -24,7 +24,7 @@ from benchmarks.bench_memory import PROMPT, SPAN, rollouts
 from benchmarks.bench_training import NO_TOOLS, peak_rss_mib
 from benchmarks.taught_world import taught_world, training_config
 from envs.finqa.tiny_model import build_model, tiny_config
-from trainer.grpo import GRPOTrainer
+from trainer.rl.grpo import GRPOTrainer
 
 VOCAB = 151_936
 

@@ -37,9 +37,9 @@ from envs.finqa.generate import TICKERS, generate_dataset
 from envs.finqa.local import local_tool_endpoints
 from envs.finqa.tiny_model import build_model, tiny_config
 from envs.finqa.tokenizer import build_tokenizer
-from trainer.config import config_from_dict
+from trainer.config.loading import config_from_dict
 from trainer.data import read_items, read_jsonl
-from trainer.grpo import GRPOTrainer
+from trainer.rl.grpo import GRPOTrainer
 
 work, steps, items, group = Path(os.environ["WORK"]), int(os.environ["STEPS"]), int(os.environ["ITEMS"]), int(os.environ["GROUP"])
 data = Path("data")

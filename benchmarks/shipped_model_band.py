@@ -31,12 +31,12 @@ def small_evaluation(data_dir: Path, seed: int, model_dir: Path = MODEL_DIR) -> 
     """The shipped model on the first 16 validation items, 2 samples each, at `seed`:
     the evaluation's metrics (`eval/score_mean`, `eval/tool_calls_mean`, ...)."""
     from envs.finqa.local import local_tool_endpoints
-    from trainer.config import load_config
+    from trainer.config.loading import load_config
     from trainer.data import read_items
-    from trainer.evaluate import run_evaluation
-    from trainer.policy import load_policy
-    from trainer.rollout import RolloutSettings
-    from trainer.tools import ToolClient
+    from trainer.generation.policy import load_policy
+    from trainer.rollout.evaluate import run_evaluation
+    from trainer.rollout.record import RolloutSettings
+    from trainer.rollout.tool_client import ToolClient
 
     config = load_config(DEMO_CONFIG)
     policy = load_policy(str(model_dir), device="cpu")

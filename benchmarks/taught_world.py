@@ -41,9 +41,10 @@ from tests.taught_model import (
     fit_tiny_model,
     scripts,
 )
-from trainer.config import PipelineConfig, config_from_dict
+from trainer.config.loading import config_from_dict
+from trainer.config.pipeline import PipelineConfig
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_items
-from trainer.tools import ToolEndpoint
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ROOT = REPO / ".cache" / "bench" / "taught_world"

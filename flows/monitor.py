@@ -18,7 +18,7 @@ from prefect.states import Failed
 
 from tasks.monitor import monitor_traffic
 from tasks.tracking import resolve_tracking_uri
-from trainer.config import PipelineConfig
+from trainer.config.pipeline import PipelineConfig
 
 
 @flow(name="agent-rft-monitor", persist_result=True, log_prints=True)

@@ -53,7 +53,7 @@ from tasks.tracking import (
 )
 from tasks.train import rft_training
 from tasks.validate import validate_data
-from trainer.config import PipelineConfig
+from trainer.config.pipeline import PipelineConfig
 from trainer.errors import AgentRFTError, ConfigError
 
 Stage = Literal["validate_data", "baseline", "prompt_optimization", "rft_training", "regression_eval", "promotion"]

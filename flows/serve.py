@@ -27,7 +27,7 @@ from typing import Any
 
 from flows.pipeline import agent_rft_pipeline, pipeline_parameters, promote_model
 from tasks.tracking import resolve_tracking_uri
-from trainer.config import PipelineConfig
+from trainer.config.pipeline import PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE_DEPLOYMENT = "scheduled"

@@ -19,9 +19,9 @@ from tasks.cache import stage_cache
 from tasks.results import BaselineResult, Gate
 from tasks.rollout_eval import evaluate_model, keep_rollouts
 from tasks.tracking import RunContext, link_split, log_json, log_metrics, publish_summary, stage_run
-from trainer.config import BaselineConfig
+from trainer.config.baseline import BaselineConfig
 from trainer.data import split_items
-from trainer.evaluate import write_outputs
+from trainer.rollout.evaluate import write_outputs
 
 STAGE = "baseline"
 

@@ -10,7 +10,7 @@ Every stage task is cached with
 - `PipelineContext`: the data version (DVC md5) and the MLflow store the run records into;
 - `StageSource`: the code the stage runs, i.e. the project modules its module imports,
   transitively, hashed as syntax trees without docstrings: a comment or docstring edit
-  changes nothing, and a change to `trainer/grpo.py` re-runs training but not
+  changes nothing, and a change to `trainer/rl/grpo.py` re-runs training but not
   `validate_data` or `baseline`, which never import it.
 
 `--refresh STAGE` sets `refresh_cache` on that stage and the ones after it.

@@ -22,12 +22,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainer.config.tools import tool_validators
 from trainer.data import normalize_text, user_text
 from trainer.errors import DataError
 from trainer.graders import grade, sample_from_text, validate_grader
 from trainer.graders.result import GraderError
 from trainer.graders.templates import lookup_variable, render_template, template_variables
-from trainer.tools import tool_validators
 
 SAMPLE_ROWS = 5
 # Graders that parse their reference and can reject it (the numeric grader's

@@ -10,7 +10,9 @@ group of items gets its gain. Gates from `promotion`: the interval's lower bound
 `min_gain_lower_bound` against the baseline and against the champion when there is one,
 no more tool calls, tokens or latency than the allowed increases, no group falling beyond
 `max_group_drop` (skipped, and said so, without `group_by`), and the grader's
-reward-hacking probes all scoring at most 0.1. The report (markdown) carries every figure
+no more of its paid rollouts shaped like a reward hack (several numbers, text addressed to the
+grader, the question echoed) than the base model's, beyond `max_hack_share_increase`. The
+grader's own hackability is measured before training, on validation items (validate_data). The report (markdown) carries every figure
 plus the before/after tool-call histogram and the reward-versus-tool-calls plot; sample
 rollouts of each model are MLflow traces, and the candidate's metrics are linked to its
 logged model.
@@ -37,10 +39,10 @@ from tasks.tracking import (
     publish_summary,
     stage_run,
 )
-from trainer.config import PromotionConfig
+from trainer.config.promotion import PromotionConfig
 from trainer.data import split_items
-from trainer.evaluate import EvalSummary, write_outputs
 from trainer.plots import plot_reward_vs_tool_calls, plot_tool_calls
+from trainer.rollout.evaluate import EvalSummary, write_outputs
 
 STAGE = "regression_eval"
 COMPARED = ("score_mean", "tool_calls_mean", "tokens_mean", "latency_s_p50", "latency_s_p95")
@@ -87,7 +89,7 @@ def compare(before: tuple[EvalSummary, str], after: tuple[EvalSummary, str], *, 
 
 
 def regression_gates(vs_baseline: dict[str, Any], vs_champion: dict[str, Any] | None,
-                     probes: dict[str, Any] | None, p: PromotionConfig) -> dict[str, Gate]:
+                     hacks: dict[str, Any] | None, p: PromotionConfig) -> dict[str, Gate]:
     ch = vs_baseline["changes"]
     low = vs_baseline["score_gain"]["low"]
     gates = {
@@ -111,9 +113,13 @@ def regression_gates(vs_baseline: dict[str, Any], vs_champion: dict[str, Any] | 
         low = vs_champion["score_gain"]["low"]
         gates["gain_vs_champion"] = Gate(value=low, limit=p.min_gain_lower_bound, passed=low > p.min_gain_lower_bound,
                                          what="lower bound of the 95% interval of the score gain over the champion")
-    if probes is not None:
-        gates["reward_hacking_probes"] = Gate(value=float(len(probes["flagged"])), limit=0.0, passed=probes["passed"],
-                                              what=f"probes scoring above 0.1 (of {probes['tried']})")
+    if hacks is not None:
+        rise = hacks["candidate"]["share"] - hacks["baseline"]["share"]
+        gates["hack_patterns"] = Gate(
+            value=rise, limit=p.max_hack_share_increase, passed=rise <= p.max_hack_share_increase,
+            what=f"rise of the hack-shaped share of paid rollouts ({hacks['candidate']['share']:.1%} of "
+                 f"{hacks['candidate']['paid']} against the base model's {hacks['baseline']['share']:.1%} of "
+                 f"{hacks['baseline']['paid']})")
     return gates
 
 
@@ -148,7 +154,7 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
                     promotion: PromotionConfig, variant: dict[str, Any] | None, seed: int, traces: int,
                     work_dir: str, ctx: RunContext) -> RegressionResult:
     """Evaluate candidate, baseline and champion on the same test items; apply the gates."""
-    from trainer.graders.probe import run_probes
+    from trainer.graders.probe import hack_share
 
     logger = get_run_logger()
     p = promotion
@@ -180,12 +186,12 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
                               **bootstrap)
         vs_champion = (compare((evaluated["champion"][0], "champion"), (evaluated["candidate"][0], "candidate"),
                                **bootstrap) if champion is not None else None)
-        probes = None
-        if p.run_probes:
-            logger.info("regression_eval: reward-hacking probes on %d test items", min(len(items), 20))
-            probes = run_probes(grader, items[:20]).to_json()
-            log_json(client, run_id, probes, "reward_hacking_probes.json")
-        gates = regression_gates(vs_baseline, vs_champion, probes, p)
+        hacks = None
+        if p.check_hack_patterns:
+            by_id = {str(item["id"]): item for item in items}
+            hacks = {name: hack_share(evaluated[name][1], by_id) for name in ("candidate", "baseline")}
+            log_json(client, run_id, hacks, "hack_patterns.json")
+        gates = regression_gates(vs_baseline, vs_champion, hacks, p)
         results = {"candidate": candidate.model_uri, "items": len(items), "k": p.k, "vs_baseline": vs_baseline,
                    "vs_champion": vs_champion, "gates": {name: gate.model_dump() for name, gate in gates.items()}}
         g = vs_baseline["score_gain"]
@@ -196,7 +202,7 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
         logger.info("regression_eval: the report and its figures")
         experiment = client.get_experiment(ctx.experiment_id).name
         found = record_reading(data, command="regression_eval", config=experiment, config_hash=ctx.config_hash,
-                               model=candidate.model_uri, git_commit=ctx.git_commit, mlflow_run_id=run_id)
+                               config_written_hash=ctx.config_written_hash, model=candidate.model_uri, git_commit=ctx.git_commit, mlflow_run_id=run_id)
         tag_run(client, run_id, found)
         markdown = report_markdown(results, gates, p.group_by)
         if found is not None:

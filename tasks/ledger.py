@@ -10,6 +10,12 @@ their MLflow run with the count, and say it in their report.
 A split is named by the sha256 of its items as the stages read them (every item of
 `split_items(data, "test")`, whatever `max_items` a reading used), so a regenerated or
 re-ordered file is another split, and the seeded half of a validation file is one too.
+A shift evaluation's split is read and counted the same way (`split_file`).
+
+A config is named by what it sets (`PipelineConfig.written_hash`: the values away from the
+defaults) and by what it resolves to (`config_hash`: every value, defaults included). A
+default added later leaves the first alone: the same config read again is counted as one,
+and the sentence says when its resolved hash moved (a default changed under it).
 
     agentrft data readings --config job.yaml    # how many times, by which configs
 """
@@ -40,17 +46,34 @@ class Readings:
                 f"{len(self.configs)} config{'s' if len(self.configs) != 1 else ''}: {', '.join(self.configs)}.")
 
 
-def split_digest(data: Any) -> tuple[str, int]:
-    """(sha256 of the test split's items, their number)."""
-    items = split_items(data, "test")
+def split_digest(data: Any, split_file: str | None = None) -> tuple[str, int]:
+    """(sha256 of the test split's items, or of `split_file`'s, and their number)."""
+    items = read_jsonl(Path(split_file)) if split_file else split_items(data, "test")
     digest = hashlib.sha256("".join(json.dumps(item, sort_keys=True) + "\n" for item in items).encode())
     return digest.hexdigest(), len(items)
 
 
+def _config_key(row: dict[str, Any]) -> tuple[str, str]:
+    """A reading's config: its name and what it sets (rows written before the written hash
+    was recorded name it by the resolved one)."""
+    return row["config"], row.get("config_written_hash") or row.get("config_hash") or ""
+
+
 def readings(ledger: Path, split: str) -> Readings:
     rows = [r for r in read_jsonl(ledger) if r.get("split_sha256") == split] if ledger.is_file() else []
-    configs = list(dict.fromkeys(f"{r['config']} ({r['config_hash'][:8]})" if r.get("config_hash") else r["config"]
-                                 for r in rows))
+    resolved: dict[tuple[str, str], list[str]] = {}
+    for row in rows:
+        hashes = resolved.setdefault(_config_key(row), [])
+        if row.get("config_hash") and row["config_hash"][:8] not in hashes:
+            hashes.append(row["config_hash"][:8])
+    configs = []
+    for (name, written), hashes in resolved.items():
+        if not written:
+            configs.append(name)
+        elif len(hashes) > 1:
+            configs.append(f"{name} ({written[:8]}; resolved {' -> '.join(hashes)}: a default changed under it)")
+        else:
+            configs.append(f"{name} ({written[:8]})")
     return Readings(split=split, count=len(rows), configs=configs)
 
 
@@ -85,19 +108,22 @@ def _check_outside_pin(data: Any, ledger: Path) -> None:
 
 
 def record_reading(data: Any, *, command: str, config: str, config_hash: str, model: str,
-                   git_commit: str = "", mlflow_run_id: str = "", note: str = "") -> Readings | None:
-    """Append this reading to `data.test_ledger` (None: no ledger, nothing recorded) and
-    return the split's readings so far, this one included."""
+                   config_written_hash: str = "", git_commit: str = "", mlflow_run_id: str = "", note: str = "",
+                   split_file: str | None = None) -> Readings | None:
+    """Append this reading of the test split (or of `split_file`, a shift evaluation's) to
+    `data.test_ledger` (None: no ledger, nothing recorded) and return the split's readings
+    so far, this one included."""
     ledger = ledger_path(data)
     if ledger is None:
         return None
     _check_outside_pin(data, ledger)
-    split, n_items = split_digest(data)
+    split, n_items = split_digest(data, split_file)
     row = {
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "split_sha256": split, "test_file": data.test_file or f"{data.validation_file} (seeded half)",
-        "items": n_items, "command": command, "config": config, "config_hash": config_hash, "model": model,
-        "git_commit": git_commit, "mlflow_run_id": mlflow_run_id,
+        "split_sha256": split, "test_file": split_file or data.test_file or f"{data.validation_file} (seeded half)",
+        "items": n_items, "command": command, "config": config, "config_hash": config_hash,
+        "config_written_hash": config_written_hash, "model": model, "git_commit": git_commit,
+        "mlflow_run_id": mlflow_run_id,
     } | ({"note": note} if note else {})
     ledger.parent.mkdir(parents=True, exist_ok=True)
     with ledger.open("a") as handle:  # one line at a time, whoever else appends

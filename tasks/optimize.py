@@ -26,7 +26,7 @@ from tasks.tracking import (
     publish_summary,
     stage_run,
 )
-from trainer.config import PromptOptimizationConfig
+from trainer.config.baseline import PromptOptimizationConfig
 from trainer.data import split_items
 
 STAGE = "prompt_optimization"

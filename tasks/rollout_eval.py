@@ -12,11 +12,13 @@ import json
 from typing import Any
 
 from tasks.tracking import RunContext
-from trainer.config import PromptVariant, RolloutConfig, ToolsConfig
+from trainer.config.baseline import PromptVariant
+from trainer.config.rollout import RolloutConfig
+from trainer.config.tools import ToolsConfig
 from trainer.errors import ConfigError
-from trainer.evaluate import EvalSummary, run_evaluation
-from trainer.rollout import RolloutRecord, RolloutSettings
-from trainer.tools import ToolClient
+from trainer.rollout.evaluate import EvalSummary, run_evaluation
+from trainer.rollout.record import RolloutRecord, RolloutSettings
+from trainer.rollout.tool_client import ToolClient
 
 
 def apply_variant(
@@ -59,13 +61,13 @@ def evaluate_model(
     all call this; `tracking_uri` resolves `models:/` URIs."""
     from contextlib import ExitStack
 
-    from trainer.policy import load_config_policy, local_model_path
+    from trainer.generation.policy import load_config_policy, local_model_path
 
     local = local_model_path(model, tracking_uri=tracking_uri)
     policy = load_config_policy(model_section, local)
     with ExitStack() as stack:
         if rollout.backend == "vllm":
-            from trainer.vllm_backend import vllm_eval_backend
+            from trainer.generation.vllm_backend import vllm_eval_backend
 
             backend = stack.enter_context(vllm_eval_backend(
                 rollout.vllm, local, rollout=rollout, tokenizer=policy.tokenizer,
@@ -98,7 +100,7 @@ def keep_rollouts(ctx: RunContext, run_id: str, records: list[RolloutRecord], *,
                   items: list[dict[str, Any]] | None = None) -> None:
     """Sample rollouts as MLflow traces of the stage's run, with their grades as assessments
     and their items' reference fields as the expectation `item` (tasks/scoring.py)."""
-    from trainer.traces import log_rollout_traces
+    from trainer.rollout.traces import log_rollout_traces
 
     if n:
         by_id = {str(item.get("id")): item for item in items or []}

@@ -24,8 +24,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from trainer.errors import AgentRFTError
-from trainer.metrics import with_retries
-from trainer.policy import use_mlflow_store
+from trainer.generation.policy import use_mlflow_store
+from trainer.rl.metrics import with_retries
 
 _PARAM_BATCH = 100  # MLflow takes at most 100 params per log_batch call
 _METRIC_BATCH = 1000
@@ -76,6 +76,7 @@ class RunContext(BaseModel):
     parent_run_id: str
     data_md5: str
     config_hash: str
+    config_written_hash: str
     git_commit: str
     flow_run_id: str
     flow_run_url: str
@@ -132,6 +133,7 @@ def open_pipeline_run(config: Any, *, data_md5: str, git_commit: str) -> RunCont
         parent_run_id="",
         data_md5=data_md5,
         config_hash=config.section_hash(),
+        config_written_hash=config.written_hash(),
         git_commit=git_commit,
         flow_run_id=flow_run_id,
         flow_run_url=flow_run_url,
@@ -234,7 +236,7 @@ def split_dataset(ctx: RunContext, data: Any, split: str) -> Any:
     from mlflow.genai.datasets import create_dataset, search_datasets
 
     from trainer.data import split_items
-    from trainer.traces import item_fields
+    from trainer.rollout.traces import item_fields
 
     use_mlflow_store(ctx.tracking_uri)
     name = f"{split}@{ctx.data_md5[:12]}"

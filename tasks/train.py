@@ -40,10 +40,11 @@ from tasks.tracking import (
     publish_summary,
     stage_run,
 )
-from trainer.config import PipelineConfig, resolved_hyperparameters
+from trainer.config.pipeline import PipelineConfig
+from trainer.config.training import resolved_hyperparameters
 from trainer.data import split_items
 from trainer.errors import AgentRFTError, InfraError, StorageError
-from trainer.launch import launch_command
+from trainer.rl.launch import launch_command
 
 STAGE = "rft_training"
 _PROGRESS_EVERY_S = 10.0

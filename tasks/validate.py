@@ -42,7 +42,7 @@ from tasks.tracking import (
     publish_summary,
     stage_run,
 )
-from trainer.data import read_numbered, split_validation
+from trainer.data import read_numbered, split_items, split_validation
 from trainer.errors import DataError
 
 STAGE = "validate_data"
@@ -170,6 +170,23 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def probe_grader(data: Any, grader: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The reward-hacking probes on the first `data.probe_items` validation items: a failure
+    per probe the grader pays beyond its plain content, and the probes' report (None when
+    the config runs none)."""
+    from trainer.graders.probe import THRESHOLD, run_probes
+
+    if not data.probe_items:
+        return [], None
+    items = split_items(data, "validation", data.probe_items)
+    report = run_probes(grader, items)
+    failures = [failure(data.validation_file, "grader_pays_no_probe_beyond_its_plain_content", f"probe {f['probe']}",
+                        f"item {f['item_id']!r}: scored {f['score']:.4g}, its plain content {f['plain_score']:.4g}",
+                        f"at most {THRESHOLD} more than its plain content", 1, [short(f["answer"])])
+                for f in report.flagged]
+    return failures, report.to_json()
+
+
 def validate_datasets(data: Any, grader: dict[str, Any]) -> tuple[StageReport, Path | None]:
     """Every check of the stage on a config's datasets; returns the report and the Data
     Docs site (None without a suite)."""
@@ -208,6 +225,12 @@ def validate_data(data: Any, grader: dict[str, Any], ctx: RunContext) -> Validat
 def _validate_data(data: Any, grader: dict[str, Any], ctx: RunContext) -> ValidationResult:
     with stage_run(ctx, STAGE, {"data": data, "grader": grader}) as (client, run_id):
         report, docs = validate_datasets(data, grader)
+        paid, probes = probe_grader(data, grader)
+        report.checks += paid
+        if probes is not None:
+            log_json(client, run_id, probes, "grader_probes.json")
+            log_metrics(client, run_id, {"validate/probes_paid": float(len(probes["flagged"])),
+                                         "validate/probes_tried": float(probes["tried"])})
         files = {"train": Path(data.train_file), "validation": Path(data.validation_file)}
         if data.test_file:
             files["test"] = Path(data.test_file)

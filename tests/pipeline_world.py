@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS
-from trainer.config import config_from_dict, merge_overrides
+from trainer.config.loading import config_from_dict, merge_overrides
 
 # What the test of the promotion decision adds to the preset (see the module docstring).
 # Its rollouts run one at a time: with 8, which sequences share an engine batch depends on when

@@ -20,8 +20,9 @@ from envs.finqa.generate import TICKERS
 from envs.finqa.tiny_model import build_model, tiny_config
 from envs.finqa.tokenizer import build_tokenizer
 from tests.model_families import building_dir, cache_dir, code_digest
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_items
-from trainer.tools import ToolClient, ToolEndpoint
+from trainer.rollout.tool_client import ToolClient
 
 SYSTEM = "Answer with a number."
 TOOLS = [

@@ -1,8 +1,8 @@
-"""`make demo`: the whole pipeline on the FinQA-style environment, on one machine.
+"""What the FinQA-style demo environment needs before a run, on one machine.
 
-The demo is one environment among others: it runs the generic pipeline on its own config
-(`envs/finqa/demo.yaml`) exactly as a user runs theirs. What the demo entry adds is what a
-user would do by hand before `agentrft run`:
+The demo is one environment among others: the generic pipeline runs on its own config
+(`envs/finqa/demo.yaml`) exactly as a user runs theirs. The runner (`flows/demo.py`, what
+`make demo` starts) adds what a user would do by hand before `agentrft run`:
 
 1. the data: regenerated from its seed when `data/` is missing or differs, then checked
    against `data.dvc` by DVC itself;
@@ -17,7 +17,6 @@ that open the UIs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +48,18 @@ def ensure_data(config: Any, *, seed: int = 0, log: Any = print) -> str:
                         f"`dvc add {data_dir}` and commit {config.data.dvc_file}") from None
 
 
+def corpus_for(split_file: str | Path) -> Path:
+    """The corpus a split's questions are asked of: the nearest `corpus/` folder beside the
+    split's file or above it (the new companies' split has its own; the others share
+    `data/corpus`)."""
+    folder = Path(split_file).resolve().parent
+    for candidate in (folder, *folder.parents):
+        if (candidate / "corpus").is_dir():
+            return candidate / "corpus"
+    raise ConfigError(f"{split_file}: no corpus/ folder beside it or above it; regenerate the demo data "
+                      "(`agentrft data verify`)")
+
+
 @contextmanager
 def tool_server(config: Any, corpus_dir: Path, *, api_key: str | None = None) -> Iterator[str]:
     """The FinQA tool server on the loopback port the config's endpoints name."""
@@ -68,22 +79,3 @@ def tool_server(config: Any, corpus_dir: Path, *, api_key: str | None = None) ->
     except OSError as exc:
         raise AgentRFTError(f"cannot start the demo tool server on {host}:{port} ({exc.strerror}); stop whatever "
                             "uses that port or change the port of tools.endpoints in the config") from None
-
-
-def run_demo(config: Any, refresh: list[str], *, stop_after: str | None = None, log: Any = print) -> dict[str, Any]:
-    """Check the data and the model, serve the tools, run the pipeline (up to `stop_after`)."""
-    from envs.finqa.demo_model import verify_model_pin
-    from flows.pipeline import agent_rft_pipeline, outcome_of, pipeline_parameters
-
-    started = time.perf_counter()
-    if Path(config.model.base_model).resolve() == Path(__file__).resolve().parent / "model":
-        pin = verify_model_pin()
-        log(f"demo model: envs/finqa/model matches its pin (md5 {pin['md5']})")
-    ensure_data(config, log=log)
-    corpus = Path(config.data.train_file).parent / "corpus"
-    with tool_server(config, corpus) as base_url:
-        log(f"FinQA tool server: {base_url}")
-        state = agent_rft_pipeline(**pipeline_parameters(config, refresh, stop_after), return_state=True)
-    outcome = outcome_of(state)
-    outcome["wall_s"] = time.perf_counter() - started
-    return outcome

@@ -40,9 +40,11 @@ from typing import Any
 import torch
 
 from trainer.chat_formats import load_chat_format
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_items
 from trainer.errors import DataError
-from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
+from trainer.rollout.tool_client import ToolClient
+from trainer.wire import new_trace_id
 
 # Bumped when the demonstrations change for the same data and settings, including through the
 # tools they call (v9: the search ranks by table row labels and column years too; v10: parallel

@@ -1,16 +1,18 @@
 """Deterministic FinQA-style demo data: a corpus of annual-report pages and QA items.
 
 The demo needs a FinQA-like task that runs with no download: 40 invented companies, 12
-annual reports each (2016-2027), 10 pages a report. Train and validation ask about the
-reports of 2016-2022 (`REPORT_YEARS`); the test split asks about the figures of the later
-reports alone (`TEST_YEARS`, 2023-2027), facts no training item, no validation item and no
-earlier test item has read, in pages the shipped model was never built from: a temporal
-hold-out, as a job's newest traffic is. Production traffic asks about every year. The
-corpus declares the two filing periods (`corpus/periods.json`): the tool server shows a
-question the reports of its year's period alone, so the later reports do not distract the
-questions of the earlier ones (measured on the shipped model: 16 validation items x 2 at
-seed 1234 scored 0.72 in the earlier reports and 0.31 with all twelve years). Every
-page looks like a FinQA record
+annual reports each (2016-2027), 10 pages a report. Train, validation and test ask about
+the reports of 2016-2022 (`REPORT_YEARS`); the test split reads only facts (company, year,
+line item) that no other split reads, drawn from a random stream of its own: held-out items
+of the same task, as FinQA's own test split is. Two shift evaluations ask other questions
+(`shift/`, read by `agentrft demo-shift`): the figures of the later reports alone
+(`TEST_YEARS`, 2023-2027: a temporal hold-out, as a job's newest traffic is) and 20
+companies of their own (`NEW_COMPANY_TICKERS`, with a corpus of their own). Production
+traffic asks about every year. The corpus declares the two filing periods
+(`corpus/periods.json`): the tool server shows a question the reports of its year's period
+alone, so the later reports do not distract the questions of the earlier ones (measured on
+the shipped model: 16 validation items x 2 at seed 1234 scored 0.72 in the earlier reports
+and 0.31 with all twelve years). Every page looks like a FinQA record
 (a few sentences of pre-text, a small table in $ millions with the report year and the
 prior year, post-text) and covers one topic: statements of operations, balance sheet,
 cash flows, segments and so on. Each (ticker, report year, line item) sits on exactly one
@@ -56,13 +58,22 @@ TICKERS: list[str] = [
 REPORT_YEARS: list[int] = list(range(2016, 2023))
 # Each report also shows the prior year, so the series start one year before the first report.
 DATA_YEARS: list[int] = [REPORT_YEARS[0] - 1, *REPORT_YEARS]
-# The test split's years: every company's series continued from its own random stream after
-# the corpus above, so the pages of 2016-2022 and the train and validation items keep their
-# bytes. Test items read only figures of these years (a change question's earlier year is
-# 2023 at the earliest). The first test split (one topic of each company, 2015-2022) was read
-# many times while the demo's settings were chosen; the second (20 companies of its own) was
-# spelled in tickers the shipped model cannot copy; both are retired (test_readings.jsonl).
+# The later-years shift evaluation's years: every company's series continued from its own
+# random stream after the corpus above, so the pages of 2016-2022 and the train and
+# validation items keep their bytes. Its items read only figures of these years (a change
+# question's earlier year is 2023 at the earliest). It was the third test split; the first
+# (one topic of each company, 2015-2022) was read many times while the demo's settings were
+# chosen and is retired, the second is the new-companies shift evaluation
+# (test_readings.jsonl lists every reading).
 TEST_YEARS: list[int] = list(range(2023, 2028))
+# The second test split's companies (retired as a test split, kept as the `new_companies`
+# shift evaluation): 20 companies of their own, reports of 2016-2022 drawn from their own
+# random stream, in a corpus of their own beside the 40 (`new_companies_corpus`), so the
+# main corpus and every other split keep their bytes.
+NEW_COMPANY_TICKERS: list[str] = [
+    "ARLO", "BEXA", "CALDO", "DRAVE", "ESKO", "FENRA", "GOVA", "HEXO", "ISKRA", "JALVO",
+    "KIVA", "LORQ", "MERKA", "NUVO", "OXRA", "PELQ", "QIRA", "RUVA", "SKELD", "TOVRA",
+]  # fmt: skip
 
 CATEGORIES = ("single_lookup", "change", "percent_change", "ratio", "multi_year")
 CATEGORY_MIX = {
@@ -501,6 +512,16 @@ class _Corpus:
             self.companies[ticker].continue_to(test_rng, TEST_YEARS)
             self._reports(test_rng, ticker, TEST_YEARS)
 
+    def add_new_companies(self, seed: int) -> dict[str, str]:
+        """The `NEW_COMPANY_TICKERS`' reports of `REPORT_YEARS` (added to this corpus's
+        companies); returns their pages, which the main corpus does not hold."""
+        before = set(self.pages)
+        rng = Random(f"{seed}/corpus/test-companies")
+        for ticker in NEW_COMPANY_TICKERS:
+            self.companies[ticker] = _build_company(rng)
+            self._reports(rng, ticker, REPORT_YEARS)
+        return {path: text for path, text in self.pages.items() if path not in before}
+
     def _reports(self, rng: Random, ticker: str, years: list[int]) -> None:
         company = self.companies[ticker]
         for year in years:
@@ -557,12 +578,13 @@ class _Corpus:
 
 
 def _draw_question(
-    rng: Random, corpus: _Corpus, category: str, years: list[int] = REPORT_YEARS, fresh: bool = False
-) -> tuple[dict, set[tuple[str, int]]]:
-    """One question of a category about one of the companies in one of `years` (its text,
-    program and the pages it needs) and the (ticker, topic) units of the facts it reads.
+    rng: Random, corpus: _Corpus, category: str, years: list[int] = REPORT_YEARS, fresh: bool = False,
+    tickers: list[str] = TICKERS,
+) -> tuple[dict, set[tuple[str, int, str]]]:
+    """One question of a category about one of `tickers` in one of `years` (its text,
+    program and the pages it needs) and the facts (ticker, year, line item) it reads.
     `fresh`: every figure it reads is of `years` (a change question's earlier year too)."""
-    t = rng.choice(TICKERS)
+    t = rng.choice(tickers)
     c = corpus.companies[t]
     a = "" if category == "ratio" else rng.choice(LINE_ITEMS)
     percent = False
@@ -622,7 +644,7 @@ def _draw_question(
         "year": y,
         "gold_pages": corpus.gold_pages(t, needs),
     }
-    return qa, {(t, TOPIC_OF[item]) for item, _ in needs}
+    return qa, {(t, year, item) for item, year in needs}
 
 
 def _category_plan(rng: Random, n: int, mix: dict[str, float]) -> list[str]:
@@ -667,15 +689,21 @@ def _split_items(
     units: set[tuple[str, int]] | None = None,
     years: list[int] = REPORT_YEARS,
     fresh: bool = False,
+    tickers: list[str] = TICKERS,
+    avoid: set[tuple[str, int, str]] | None = None,
+    read: set[tuple[str, int, str]] | None = None,
 ) -> list[dict]:
-    """`n` items in the category mix about `years` (`fresh`: reading figures of those years
-    alone), unique by normalised question across all splits, and (when `units` is given)
-    reading only facts of those (ticker, topic) units."""
+    """`n` items in the category mix about `tickers` in `years` (`fresh`: reading figures of
+    those years alone), unique by normalised question across all splits, reading only facts
+    of the (ticker, topic) `units` when given and none of the facts in `avoid`. The facts
+    the items read are added to `read`."""
     items = []
     for category in _category_plan(rng, n, DRIFT_CATEGORY_MIX if drift else CATEGORY_MIX):
         for _ in range(20_000):
-            qa, reads = _draw_question(rng, corpus, category, years, fresh)
-            if units is not None and not reads <= units:
+            qa, facts = _draw_question(rng, corpus, category, years, fresh, tickers)
+            if units is not None and not {(t, TOPIC_OF[item]) for t, _, item in facts} <= units:
+                continue
+            if avoid is not None and facts & avoid:
                 continue
             if drift:
                 qa["question"] = (
@@ -685,6 +713,8 @@ def _split_items(
             if key not in seen:
                 seen[key] = None
                 items.append(qa)
+                if read is not None:
+                    read |= facts
                 break
         else:
             raise ValueError(
@@ -737,39 +767,53 @@ def generate_dataset(
     n_test: int = 250,
     n_traffic: int = 4000,
 ) -> dict:
-    """Write the corpus, train.jsonl, validation.jsonl, test.jsonl and
+    """Write the corpus, train.jsonl, validation.jsonl, test.jsonl, the shift evaluations
+    (`shift/later_years/items.jsonl`, `shift/new_companies/items.jsonl` with its corpus) and
     production_traffic.jsonl under out_dir and return the counts. Files are overwritten;
     nothing else in out_dir is touched.
 
-    The three splits are disjoint by id, by normalised question and by underlying fact:
-    each (ticker, topic) unit of 2015-2022 belongs to train or validation
-    (`assign_fact_units`), so no company, year and line item answers items in two of them;
-    the test split reads the figures of 2023-2027 alone. Production traffic is what users
-    ask: drawn from every company and every report year, unique by question against the
-    splits."""
+    Train, validation and test are disjoint by id, by normalised question and by underlying
+    fact: each (ticker, topic) unit of 2015-2022 belongs to train or validation
+    (`assign_fact_units`), and the test split, drawn from its own random stream over the same
+    companies and report years, reads only facts (ticker, year, line item) that no other
+    split reads, the retired first test split included. The shift evaluations ask another
+    question than the test split: the later reports (2023-2027) of the same companies, and
+    20 companies of their own. Production traffic is what users ask: drawn from every
+    company and every report year, unique by question against the splits."""
     out_dir = Path(out_dir)
     corpus = _Corpus(seed)
-    for path, text in corpus.pages.items():
-        file = out_dir / "corpus" / path
-        file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(text, encoding="utf-8", newline="\n")
-
+    _write_corpus(out_dir / "corpus", corpus.pages)
     # Two filing periods: a question sees the reports of its year's period alone (the tool
     # server reads this file), so the later reports never distract train and validation
-    # items and the earlier ones never distract the test split's.
+    # items and the earlier ones never distract the later-years split's.
     periods = {"periods": [[REPORT_YEARS[0], REPORT_YEARS[-1]], [TEST_YEARS[0], TEST_YEARS[-1]]]}
     (out_dir / "corpus" / "periods.json").write_text(json.dumps(periods) + "\n", encoding="utf-8", newline="\n")
 
     owner = assign_fact_units(seed)
     rng = Random(f"{seed}/questions/{'drift' if drift else 'production'}")
     seen: dict[str, None] = {}  # insertion-ordered, never iterated: only membership
-    sizes = {"train": n_train, "validation": n_validation}
+    read: set[tuple[str, int, str]] = set()  # the facts every split reads
     splits = {
-        name: _split_items(rng, corpus, size, drift, seen, {u for u, o in owner.items() if o == name})
-        for name, size in sizes.items()
+        name: _split_items(rng, corpus, size, drift, seen, {u for u, o in owner.items() if o == name}, read=read)
+        for name, size in (("train", n_train), ("validation", n_validation))
     }
-    splits["test"] = _split_items(rng, corpus, n_test, drift, seen, years=TEST_YEARS, fresh=True)
+    # The retired first test split and the new-companies split were each drawn from here.
+    after_validation = rng.getstate()
+    retired = Random()
+    retired.setstate(after_validation)
+    _split_items(retired, corpus, n_test, drift, dict(seen), {u for u, o in owner.items() if o == "retired"},
+                 read=read)
+    new_pages = corpus.add_new_companies(seed)
+    new_companies = Random()
+    new_companies.setstate(after_validation)
+    shift = {"new_companies": _split_items(new_companies, corpus, n_test, drift, dict(seen),
+                                           tickers=NEW_COMPANY_TICKERS, read=read)}
+    shift["later_years"] = _split_items(rng, corpus, n_test, drift, seen, years=TEST_YEARS, fresh=True, read=read)
     traffic = _split_items(rng, corpus, n_traffic, drift, seen, years=REPORT_YEARS + TEST_YEARS)
+    for items in shift.values():
+        seen.update((normalize_question(qa["question"]), None) for qa in items)
+    held_out = Random(f"{seed}/questions/{'drift' if drift else 'production'}/held-out")
+    splits["test"] = _split_items(held_out, corpus, n_test, drift, seen, avoid=set(read))
 
     # Production traffic arrives over 90 days; ids follow arrival order.
     seconds = [rng.randrange(TRAFFIC_DAYS * 86400) for _ in traffic]
@@ -783,7 +827,25 @@ def generate_dataset(
         traffic_rows.append(row)
 
     for name, items in splits.items():
-        write_jsonl(out_dir / f"{name}.jsonl", [_row(f"{name}-{i:05d}", qa) for i, qa in enumerate(items)])
+        prefix = "heldout" if name == "test" else name
+        write_jsonl(out_dir / f"{name}.jsonl", [_row(f"{prefix}-{i:05d}", qa) for i, qa in enumerate(items)])
+    for name, items in shift.items():
+        (out_dir / "shift" / name).mkdir(parents=True, exist_ok=True)
+        # ids as when each was the test split: its readings in the ledger stay its own
+        write_jsonl(out_dir / "shift" / name / "items.jsonl", [_row(f"test-{i:05d}", qa) for i, qa in enumerate(items)])
+    # The new companies' reports beside the 40 companies' of the same years, as they were served
+    # when that split was the test split (no later reports, no filing periods).
+    earlier = {path: text for path, text in corpus.pages.items()
+               if path not in new_pages and int(path.split("/")[2]) in REPORT_YEARS}
+    _write_corpus(out_dir / "shift" / "new_companies" / "corpus", {**earlier, **new_pages})
     write_jsonl(out_dir / "production_traffic.jsonl", traffic_rows)
-    return {"pages": len(corpus.pages), **{name: len(items) for name, items in splits.items()},
+    return {"pages": len(corpus.pages) - len(new_pages), **{name: len(items) for name, items in splits.items()},
+            **{f"shift/{name}": len(items) for name, items in shift.items()},
             "production_traffic": len(traffic_rows)}
+
+
+def _write_corpus(root: Path, pages: dict[str, str]) -> None:
+    for path, text in pages.items():
+        file = root / path
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(text, encoding="utf-8", newline="\n")

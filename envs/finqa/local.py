@@ -19,7 +19,7 @@ from pathlib import Path
 from envs.finqa.faults import FaultConfig
 from envs.finqa.server import create_app, serve_in_thread
 from envs.finqa.tool_schemas import TOOL_NAMES
-from trainer.tools import ToolEndpoint
+from trainer.config.tools import ToolEndpoint
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,11 +31,30 @@ def test_an_arm_is_kept_only_for_its_own_clean_code_key(tmp_path: Path) -> None:
     assert _kept(path, "abc-dirty") is None  # uncommitted code never makes a kept arm
 
 
-def test_code_key_covers_the_code_that_makes_an_arm() -> None:
-    key = code_key()
-    assert len(key.removesuffix("-dirty")) == 16
-    assert all((REPO / path).exists() for path in CODE)
-    assert "docs" not in CODE and "benchmarks/results.json" not in CODE
+def test_code_key_covers_the_code_that_makes_an_arm(tmp_path: Path) -> None:
+    """In a clone: a committed change to any file an arm runs (each package the benchmark
+    imports, the demo config, the data pin) moves the key; one to the docs does not; an
+    uncommitted one marks it dirty."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", "--shared", str(REPO), str(clone)], check=True)
+
+    def commit(path: str, text: str) -> str:
+        with (clone / path).open("a") as handle:
+            handle.write(text)
+        subprocess.run(["git", "-C", str(clone), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam",
+                        f"touch {path}"], check=True)
+        return code_key(clone)
+
+    key = code_key(clone)
+    assert len(key) == 16 and all((REPO / path).exists() for path in CODE)
+    for path in ("trainer/errors.py", "tasks/ledger.py", "envs/finqa/generate.py", "flows/pipeline.py",
+                 "envs/finqa/demo.yaml", "data.dvc", "benchmarks/bench_data_scaling.py"):
+        moved = commit(path, "\n# changed\n")
+        assert moved != key, f"a change to {path} leaves the key as it was"
+        key = moved
+    assert commit("README.md", "\nchanged\n") == key  # not code
+    (clone / "trainer" / "errors.py").write_text("# uncommitted\n")
+    assert code_key(clone) == key + "-dirty"
 
 
 def test_rows_give_median_and_range_over_seeds_and_a_straddling_verdict() -> None:

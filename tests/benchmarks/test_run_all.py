@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from benchmarks.bench_trl import RULES, best_rate, paired
+from benchmarks import bench_trl
+from benchmarks.bench_trl import GRID_SEED, RULES, best_rate, choose_rates, paired
 from benchmarks.run_all import kept_opt_in, ranged, spread_of, staleness_rows, trl_rows, verdict
 
 
@@ -57,6 +60,35 @@ def test_trl_paired_test_and_the_grid_choice() -> None:
     assert paired([0.5, 0.6], [0.5, 0.6])["wilcoxon_p"] == 1.0  # no difference at all
     assert best_rate({"0.0001": 0.8, "0.0003": 0.85, "0.001": 0.2}) == 3e-4
     assert best_rate({"0.001": 0.8, "0.0001": 0.8}) == 1e-4  # a tie goes to the smaller rate
+
+
+def test_the_grid_chooses_each_trainers_rate_on_validation_items_alone(monkeypatch, tmp_path) -> None:
+    """`choose_rates` with its training and scoring stood in for by fakes that remember what
+    they were asked: every model is scored on the validation split, by its trainer's rule,
+    and each trainer gets the rate where its own mean is best."""
+    best = {"ours": 3e-4, "trl": 1e-4}
+    scored: list[tuple[str, str, str]] = []
+
+    def fake_pair(world, endpoints, steps, seed, out, args, trl_first, rates):
+        return tuple({"model": f"{side}@{rates[side]:g}@{seed}"} for side in ("ours", "trl"))
+
+    def fake_eval_score(model, world, endpoints, k, split="test", rule="end"):
+        side, rate, seed = model.split("@")
+        scored.append((side, split, rule))
+        return {"score": 0.9 - abs(float(rate) - best[side]) * 100 + int(seed) * 1e-6}
+
+    class World:
+        def items(self, split):
+            return [{"id": f"{split}-{i}"} for i in range(7)]
+
+    monkeypatch.setattr(bench_trl, "pair", fake_pair)
+    monkeypatch.setattr(bench_trl, "eval_score", fake_eval_score)
+    args = argparse.Namespace(grid=[1e-4, 3e-4, 1e-3], grid_seeds=2, steps=1, grid_eval_k=2)
+    result = choose_rates(World(), [], args, tmp_path)
+    assert result["chosen"] == best  # one rate each, not one shared
+    assert {split for _, split, _ in scored} == {"validation"} and result["items"] == 7
+    assert {(side, rule) for side, _, rule in scored} == set(RULES.items())
+    assert result["seeds"] == [GRID_SEED, GRID_SEED + 1] and len(scored) == 3 * 2 * 2
 
 
 def test_a_full_run_keeps_the_opt_in_rows_and_the_run_that_made_them() -> None:

@@ -1,6 +1,6 @@
 """The FinQA-style demo data: the DVC pin (checked by DVC itself), determinism, drift,
-programs, gold pages, the three fact-disjoint splits, and the loader for the real FinQA
-JSON format."""
+programs, gold pages, the three fact-disjoint splits, the two shift evaluations (the splits
+read once before, byte for byte), and the loader for the real FinQA JSON format."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from envs.finqa.demo import DEMO_CONFIG, ensure_data
 from envs.finqa.finqa_format import infer_category, load_finqa_json
 from envs.finqa.generate import (
     LINE_ITEMS,
+    NEW_COMPANY_TICKERS,
     REPORT_YEARS,
     TEST_YEARS,
     TICKERS,
@@ -32,35 +33,47 @@ from envs.finqa.generate import (
     execute_program,
     generate_dataset,
     normalize_question,
+    retired_first_test_split,
 )
 from envs.finqa.tool_schemas import TOOL_SCHEMAS
 from tasks.data_version import add, check_pinned, data_version, files_md5, init, pinned_md5
-from trainer.config import load_config
+from trainer.config.loading import load_config
 from trainer.data import read_jsonl
 from trainer.errors import DataError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "validation", "test", "production_traffic")
+SHIFTS = ("later_years", "new_companies")
 ITEM_KEYS = [
     "id", "messages", "tools", "question", "reference_answer", "exe_ans", "program",
     "category", "ticker", "year", "gold_pages",
 ]  # fmt: skip
-PIN = "51d6fff4f52a2473ffeb9c1fc0b5ce8b"  # data.dvc's md5, as DVC computed it
+PIN = "4d0784860fd559894f4258726013e7d3"  # data.dvc's md5, as DVC computed it
 # train.jsonl and validation.jsonl as they were before the first test split was retired
 SPLIT_MD5 = {"train": "bce14e0250565025fb96a6e9840bfa18", "validation": "e1ac8fdccc18499169b28f43cfc991dc"}
+# The shift evaluations are the test splits read once before (test_readings.jsonl), item for item:
+# the later reports (read at 80e5430) and the 20 companies of their own (read at d5725ce).
+SHIFT_SHA256 = {"later_years": "0b7ac4036b720711baf8c714fe9d3897a1c82da7f38e1ff89908bcb670d09486",
+                "new_companies": "4e8391276390909952d827e5580fd5806e1edfe6281c9112495ca6c6edb76d88"}
 
 
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("finqa") / "data"
     counts = generate_dataset(out, seed=0)
-    assert counts == {"pages": 4800, "train": 2000, "validation": 250, "test": 250, "production_traffic": 4000}
+    assert counts == {"pages": 4800, "train": 2000, "validation": 250, "test": 250, "shift/new_companies": 250,
+                      "shift/later_years": 250, "production_traffic": 4000}
     return out
 
 
 @pytest.fixture(scope="module")
 def items(generated) -> dict[str, list[dict]]:
-    return {split: read_jsonl(generated / f"{split}.jsonl") for split in SPLITS}
+    return {**{split: read_jsonl(generated / f"{split}.jsonl") for split in SPLITS},
+            **{shift: read_jsonl(generated / "shift" / shift / "items.jsonl") for shift in SHIFTS}}
+
+
+def corpus_of(generated: Path, split: str) -> Path:
+    return generated / "shift" / "new_companies" / "corpus" if split == "new_companies" else generated / "corpus"
 
 
 def project_with_pin(root: Path) -> Path:
@@ -226,13 +239,13 @@ def test_item_shape_and_category_mix(items):
             assert list(row)[: len(ITEM_KEYS)] == ITEM_KEYS
             assert row["messages"] == [{"role": "user", "content": row["question"]}]
             assert row["tools"] == TOOL_SCHEMAS
-            assert row["ticker"] in TICKERS
-            assert row["year"] in (TEST_YEARS if split == "test" else REPORT_YEARS + TEST_YEARS
+            assert row["ticker"] in (NEW_COMPANY_TICKERS if split == "new_companies" else TICKERS)
+            assert row["year"] in (TEST_YEARS if split == "later_years" else REPORT_YEARS + TEST_YEARS
                                    if split == "production_traffic" else REPORT_YEARS)
             assert row["ticker"] in row["question"] and str(row["year"]) in row["question"]
     assert items["train"][0]["id"] == "train-00000"
     assert items["validation"][-1]["id"] == "validation-00249"
-    assert items["test"][-1]["id"] == "test-00249"
+    assert items["test"][-1]["id"] == "heldout-00249" and items["later_years"][-1]["id"] == "test-00249"
 
 
 def test_every_exe_ans_is_its_program_executed(items):
@@ -263,8 +276,8 @@ def test_example_programs():
 
 
 def test_gold_pages_exist_and_hold_the_program_numbers(items, generated):
-    corpus = generated / "corpus"
-    for rows in items.values():
+    for split, rows in items.items():
+        corpus = corpus_of(generated, split)
         for row in rows:
             cells = set()
             for page in row["gold_pages"]:
@@ -318,15 +331,18 @@ def test_tables_add_up(generated):
 
 
 def test_splits_are_disjoint_by_id_and_question(items):
-    ids = [row["id"] for rows in items.values() for row in rows]
+    ids = [row["id"] for split in SPLITS for row in items[split]]
     assert len(ids) == len(set(ids)) == 6500
+    for shift in SHIFTS:  # each read alone, under the ids it had as the test split
+        assert len({row["id"] for row in items[shift]}) == 250
     questions = {
         split: {normalize_question(r["question"]) for r in rows} for split, rows in items.items()
     }
-    assert [len(questions[s]) for s in SPLITS[:3]] == [2000, 250, 250]
-    assert not questions["train"] & questions["validation"]
-    assert not questions["train"] & questions["test"]
-    assert not questions["validation"] & questions["test"]
+    assert [len(questions[s]) for s in (*SPLITS[:3], *SHIFTS)] == [2000, 250, 250, 250, 250]
+    names = [*SPLITS[:3], *SHIFTS]
+    for index, a in enumerate(names):
+        for b in names[index + 1:]:
+            assert not questions[a] & questions[b], (a, b)
     assert not questions["production_traffic"] & (questions["train"] | questions["validation"] | questions["test"])
 
 
@@ -344,57 +360,84 @@ def facts_read(row: dict, corpus: Path) -> set[tuple[str, int, str]]:
 def needed_facts(row: dict, corpus: Path) -> set[tuple[str, int, str]]:
     """The facts an item's program reads: the figures on its gold pages whose printed value
     is one of the program's operands. A test item's gold page of 2023 also shows 2022 (the
-    prior-year column), which it does not need."""
+    prior-year column), which it does not need. Where a line prints the same value for both
+    years, the year the question names is the one read (both when it names neither)."""
     operands = set(re.findall(r"(?<![#\w])\d+(?:\.\d+)?", row["program"]))
+    named = {int(year) for year in re.findall(r"\b(?:19|20)\d\d\b", row["question"])}
     facts = set()
     for page in row["gold_pages"]:
         _, ticker, report, _ = page.split("/")
         for line in (corpus / page).read_text(encoding="utf-8").splitlines():
             if " | " in line and not line.startswith("(in $ millions)"):
                 item, now, prior = line.split(" | ")
-                facts |= {(ticker, year, item) for year, value in ((int(report), now), (int(report) - 1, prior))
-                          if value in operands and item in row["question"]}
+                if item not in row["question"]:
+                    continue
+                years = [year for year, value in ((int(report), now), (int(report) - 1, prior)) if value in operands]
+                if now == prior and len(years) == 2 and named & set(years):
+                    years = [year for year in years if year in named]
+                facts |= {(ticker, year, item) for year in years}
     return facts
 
 
 def test_splits_are_disjoint_by_underlying_fact(items, generated):
+    """Train and validation own whole (company, topic) units; the test split asks about the
+    same companies and report years, but every fact its programs read (company, year, line
+    item, checked from each program's operands) is read by no other split: not train, not
+    validation, not the retired first test split, not a shift evaluation."""
     owner = assign_fact_units(0)
     per_ticker = Counter((ticker, split) for (ticker, _), split in owner.items())
     assert len(owner) == len(TICKERS) * len(TOPICS)
     for ticker in TICKERS:
         assert (per_ticker[ticker, "retired"], per_ticker[ticker, "validation"], per_ticker[ticker, "train"]) == (1, 1, 8)
-    facts = {split: set() for split in SPLITS[:3]}
-    for split in SPLITS[:3]:
+    corpus = generated / "corpus"
+    units = {split: set() for split in ("train", "validation")}
+    for split in units:
         for row in items[split]:
-            read = needed_facts(row, generated / "corpus") if split == "test" else facts_read(row, generated / "corpus")
-            assert read, row["id"]
-            if split == "test":  # the test split owns every figure of the later reports
-                assert {year for _, year, _ in read} <= set(TEST_YEARS), row["id"]
-            else:
-                assert {owner[ticker, TOPIC_OF[item]] for ticker, _, item in read} == {split}, row["id"]
-                assert {year for _, year, _ in read} <= {REPORT_YEARS[0] - 1, *REPORT_YEARS}, row["id"]
-            facts[split] |= read
-        # Every split asks about each company.
-        assert {row["ticker"] for row in items[split]} == set(TICKERS)
-    assert not facts["train"] & facts["validation"]
-    assert not facts["train"] & facts["test"]
-    assert not facts["validation"] & facts["test"]
+            read = facts_read(row, corpus)
+            assert {owner[ticker, TOPIC_OF[item]] for ticker, _, item in read} == {split}, row["id"]
+            assert {year for _, year, _ in read} <= {REPORT_YEARS[0] - 1, *REPORT_YEARS}, row["id"]
+            units[split] |= read
+    assert not units["train"] & units["validation"]
+    operands = {split: set() for split in ("train", "validation", "test", "later_years", "new_companies", "retired")}
+    rows = {**items, "retired": retired_first_test_split(0)}
+    for split, facts in operands.items():
+        for row in rows[split]:
+            read = needed_facts(row, corpus_of(generated, split))
+            assert read, (split, row["id"])
+            facts |= read
+    assert {year for _, year, _ in operands["test"]} <= {REPORT_YEARS[0] - 1, *REPORT_YEARS}
+    assert {year for _, year, _ in operands["later_years"]} == set(TEST_YEARS)
+    for other in ("train", "validation", "retired", "later_years", "new_companies"):
+        assert not operands["test"] & operands[other], other
+    # Every split asks about each of its companies.
+    for split in ("train", "validation", "test", "later_years"):
+        assert {row["ticker"] for row in items[split]} == set(TICKERS), split
+    assert {row["ticker"] for row in items["new_companies"]} == set(NEW_COMPANY_TICKERS)
     assert assign_fact_units(1) != owner  # the assignment follows the seed
 
 
-def test_the_test_split_is_fresh_and_train_and_validation_kept_their_bytes(items, generated, tmp_path):
-    """The first test split was read many times while the demo was tuned, the second asked
-    about companies the shipped model cannot spell: both are retired, and the test split
-    asks about the later reports alone, whose figures no other split reads and whose pages
-    the shipped model was not built from."""
+def test_the_shift_evaluations_are_the_splits_read_before_and_train_and_validation_kept_their_bytes(
+        items, generated, tmp_path):
+    """The later-years split (read once at 80e5430) and the new-companies split (read once
+    at d5725ce) are the same items as then, byte for byte as the ledger names them; the new
+    companies' corpus holds their reports beside the 40 companies' of the same years, as it
+    was served then."""
     import hashlib
 
     from envs.finqa.demo_model import model_corpus
 
     for split, md5 in SPLIT_MD5.items():
         assert hashlib.md5((generated / f"{split}.jsonl").read_bytes()).hexdigest() == md5, split
-    test_years = {year for row in items["test"] for _, year, _ in needed_facts(row, generated / "corpus")}
-    assert test_years == set(TEST_YEARS)
+    for shift, sha in SHIFT_SHA256.items():
+        text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in items[shift])
+        assert hashlib.sha256(text.encode()).hexdigest() == sha, shift
+    shifted = generated / "shift" / "new_companies" / "corpus"
+    assert sorted(p.name for p in (shifted / "reports").iterdir()) == sorted(TICKERS + NEW_COMPANY_TICKERS)
+    assert len(list(shifted.rglob("*.txt"))) == (len(TICKERS) + len(NEW_COMPANY_TICKERS)) * len(REPORT_YEARS) * 10
+    assert files_of(shifted / "reports" / "ACME") == {
+        path: text for path, text in files_of(generated / "corpus" / "reports" / "ACME").items()
+        if int(path.split("/")[0]) in REPORT_YEARS}
+    assert not (shifted / "periods.json").exists()
     # Production asks about every report year, the test split's too.
     assert {row["year"] for row in items["production_traffic"]} == set(REPORT_YEARS + TEST_YEARS)
     built_from = model_corpus(generated, tmp_path / "corpus")

@@ -17,7 +17,8 @@ from envs.finqa.local import local_tool_endpoints
 from envs.finqa.tool_schemas import TOOL_SCHEMAS
 from trainer.data import read_items
 from trainer.errors import InfraError
-from trainer.tools import ToolClient, new_trace_id
+from trainer.rollout.tool_client import ToolClient
+from trainer.wire import new_trace_id
 
 
 @pytest.fixture(scope="module")

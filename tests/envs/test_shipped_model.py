@@ -16,8 +16,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_the_shipped_model_matches_its_pin_and_reaches_its_band(demo_data_dir):
-    from trainer.config import load_config
-    from trainer.policy import load_policy
+    from trainer.config.loading import load_config
+    from trainer.generation.policy import load_policy
 
     pin = verify_model_pin()  # every shipped file's md5 against the pin: a changed weight fails here
     band = pin["evaluation"].get("band")

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 from envs.finqa.tiny_model import build_model, count_parameters, tiny_config
 from envs.finqa.tokenizer import CHAT_TEMPLATE, build_tokenizer
 from trainer.errors import ConfigError
-from trainer.modeling import load_model_and_tokenizer
+from trainer.generation.modeling import load_model_and_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TICKERS = ["ACME", "ZETA", "NOVA", "BRK.B"]  # BRK.B: punctuation inside a ticker

@@ -33,9 +33,9 @@ from tasks.tracking import mlflow_client
 from tests.pipeline_world import micro
 from tests.taught_model import GRADER as ANSWER_GRADER
 from tests.taught_model import SYSTEM, TOOLS
-from trainer.config import load_config
+from trainer.config.loading import load_config
 from trainer.data import read_items, read_jsonl
-from trainer.modeling import load_model_and_tokenizer
+from trainer.generation.modeling import load_model_and_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 AGENTRFT = Path(sys.executable).parent / "agentrft"  # the console script pyproject installs

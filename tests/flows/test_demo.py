@@ -42,10 +42,10 @@ def test_demo_command_on_a_micro_preset(harness, world, endpoints, taught_model,
 def test_a_long_evaluation_prints_progress_lines(world, endpoints, taught_model, monkeypatch):
     import trainer.progress as progress
     from trainer.data import read_items
-    from trainer.evaluate import run_evaluation
-    from trainer.policy import load_policy
-    from trainer.rollout import RolloutSettings
-    from trainer.tools import ToolClient
+    from trainer.generation.policy import load_policy
+    from trainer.rollout.evaluate import run_evaluation
+    from trainer.rollout.record import RolloutSettings
+    from trainer.rollout.tool_client import ToolClient
 
     monkeypatch.setattr(progress, "EVERY_S", 0.2)  # "long": longer than the reporting interval
     config = micro(world, endpoints, taught_model)

@@ -32,8 +32,8 @@ KEY = "sk-test-agentrft"
 @pytest.fixture()
 def api_client(tmp_path):
     from envs.finqa.server import serve_in_thread
-    from flows.api_server import create_api_app
-    from trainer.config import config_from_dict
+    from flows.openai_api.app import create_api_app
+    from trainer.config.loading import config_from_dict
 
     config = config_from_dict({"work_dir": str(tmp_path / "runs"), "model": {"base_model": "tiny"}, "grader": GRADER})
     with serve_in_thread(create_api_app(config, work_dir=tmp_path / "api", api_key=KEY)) as url:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.openai_job import config_from_openai_job
+from flows.openai_api.job_body import config_from_openai_job
 from tasks.tracking import mlflow_client
 from tests.pipeline_world import LEARNS, micro
 from trainer.data import read_items, split_items, write_jsonl

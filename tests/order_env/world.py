@@ -113,7 +113,7 @@ def job_yaml(root: Path, base_url: str, model: Path, **overrides) -> Path:
         "training": {"batch_size": 2, "compute_multiplier": 0.5, "max_steps": 2, "eval_interval": 2, "eval_samples": 2,
                      "learning_rate": 1e-3, "checkpoint_interval": 1},
         "promotion": {"k": 2, "bootstrap_samples": 200, "min_gain_lower_bound": -1.0, "max_tool_calls_increase": 10,
-                      "max_tokens_increase": 10, "max_latency_increase": 100, "run_probes": False},
+                      "max_tokens_increase": 10, "max_latency_increase": 100, "check_hack_patterns": False},
         "mlflow": {"tracking_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment": "order-support"},
     }
     for key, value in overrides.items():
@@ -152,8 +152,9 @@ def teach(data: Path, base_url: str, out: Path) -> Path:
     """A tiny model that, per item, looks the order up and answers right, reads the policy
     too and answers right, or denies at once (wrong unless the rule says deny)."""
     from tests.taught_model import fit_tiny_model
+    from trainer.config.tools import ToolEndpoint
     from trainer.data import read_items
-    from trainer.tools import ToolClient, ToolEndpoint
+    from trainer.rollout.tool_client import ToolClient
 
     endpoints = [ToolEndpoint(name=t["function"]["name"], server_url=f"{base_url}/tools/{t['function']['name']}")
                  for t in TOOLS]

@@ -39,7 +39,9 @@ from envs.finqa.demo import DEMO_CONFIG
 from flows.cli import main
 from tasks.data_version import check_pinned, init
 from tasks.validate import validate_datasets
-from trainer.config import DataConfig, PipelineConfig, Section
+from trainer.config.data import DataConfig
+from trainer.config.pipeline import PipelineConfig
+from trainer.config.section import Section
 from trainer.errors import DataError
 
 SEED = 20261129

@@ -27,8 +27,8 @@ import torch
 
 from envs.finqa.tiny_model import build_model, tiny_config
 from envs.finqa.tokenizer import build_tokenizer
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_model
 from trainer.errors import InfraError, StorageError
+from trainer.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_model
 
 
 class FullDisk:

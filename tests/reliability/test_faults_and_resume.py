@@ -42,10 +42,10 @@ def faulty_endpoints(world: Path):
 
 
 def test_infrastructure_failures_are_retried_counted_and_never_scored(world, faulty_endpoints, taught_model):
-    from trainer.evaluate import run_evaluation
-    from trainer.policy import load_policy
-    from trainer.rollout import RolloutSettings
-    from trainer.tools import ToolClient
+    from trainer.generation.policy import load_policy
+    from trainer.rollout.evaluate import run_evaluation
+    from trainer.rollout.record import RolloutSettings
+    from trainer.rollout.tool_client import ToolClient
 
     config = micro(world, faulty_endpoints, taught_model, tools={"timeout_s": 0.5, "max_retries": 2},
                    rollout={"max_turns": 3, "max_concurrent_rollouts": 8}, training={"max_steps": 2})
@@ -69,7 +69,7 @@ def test_infrastructure_failures_are_retried_counted_and_never_scored(world, fau
     assert summary.metrics["eval/infra_error_rate"] == pytest.approx(len(failed) / len(records))
 
     out = world / "faulty-train"
-    from trainer.grpo import train
+    from trainer.rl.grpo import train
 
     result = train(config, model_path=str(taught_model), output_dir=out)
     assert result.steps == 2

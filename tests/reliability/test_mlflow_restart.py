@@ -58,7 +58,7 @@ def _stop(process: subprocess.Popen) -> None:
 def _train(world: Path, endpoints, model: Path, port: int, out: Path, timeout_s: float) -> tuple[str, object]:
     from mlflow import MlflowClient
 
-    from trainer.grpo import train
+    from trainer.rl.grpo import train
 
     uri = f"http://127.0.0.1:{port}"
     client = MlflowClient(tracking_uri=uri)

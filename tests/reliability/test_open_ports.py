@@ -30,13 +30,14 @@ from envs.finqa.tokenizer import build_tokenizer
 from envs.finqa.tool_schemas import TOOL_NAMES, TOOL_SCHEMAS
 from flows.cli import app as cli
 from tests.taught_model import copy_items
-from trainer import model_server
 from trainer.api_key import resolve_api_key
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_items
 from trainer.errors import ConfigError
-from trainer.model_server import create_model_app
-from trainer.policy import Policy
-from trainer.tools import ToolClient, ToolEndpoint
+from trainer.generation.policy import Policy
+from trainer.rollout.tool_client import ToolClient
+from trainer.serving import model_server
+from trainer.serving.model_server import create_model_app
 
 pytestmark = pytest.mark.integration
 

@@ -30,9 +30,11 @@ from envs.finqa.local import local_tool_endpoints
 from envs.finqa.server import serve_in_thread
 from envs.finqa.tool_schemas import TOOL_SCHEMAS
 from tests.taught_model import copy_items
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_items
 from trainer.graders import GraderContext, grade_async
-from trainer.tools import KEEPALIVE_EXPIRY_S, ToolClient, ToolEndpoint
+from trainer.rollout.tool_client import ToolClient
+from trainer.rollout.tool_http import KEEPALIVE_EXPIRY_S
 
 pytestmark = pytest.mark.integration
 
@@ -218,7 +220,7 @@ def test_no_request_meets_a_closed_keepalive_connection(demo_endpoints, caplog):
     """uvicorn closes a connection idle for 5 s; httpx kept them 5 s too, so a request
     sent just before the server's timer fired failed with `ReadError` and was retried."""
     endpoints, item = demo_endpoints
-    caplog.set_level(logging.INFO, logger="trainer.tools")
+    caplog.set_level(logging.INFO, logger="trainer.rollout.tool_http")
     server_keepalive_s = 5.0  # uvicorn's default timeout_keep_alive
     gaps = [edge + step / 100 for edge in (KEEPALIVE_EXPIRY_S, server_keepalive_s) for step in range(-10, 11)]
     arguments = json.dumps({"path": "reports"})

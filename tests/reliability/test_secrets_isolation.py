@@ -42,10 +42,12 @@ from envs.finqa.search import SearchIndex
 from envs.finqa.server import create_app, serve_in_thread
 from envs.finqa.tool_schemas import TOOL_NAMES, TOOL_SCHEMAS
 from tasks.tracking import flat_params
-from trainer.config import config_from_dict, merge_overrides
+from trainer.config.loading import config_from_dict, merge_overrides
+from trainer.config.tools import ToolEndpoint
 from trainer.errors import ConfigError, DataError, InfraError
 from trainer.graders import GraderContext, grade_async
-from trainer.tools import ToolClient, ToolEndpoint, new_trace_id
+from trainer.rollout.tool_client import ToolClient
+from trainer.wire import new_trace_id
 
 SECRET = "agentrft-planted-secret-7f3c9e1d"
 ENV_VAR = "AGENTRFT_TEST_SECRET"

@@ -38,10 +38,10 @@ def test_validation_and_baseline_do_not_run_the_trainer_or_any_environment():
     for stage in ("tasks.validate", "tasks.baseline", "tasks.optimize"):
         files = _modules(stage)
         assert f"{stage.replace('.', '/')}.py" in files
-        assert "trainer/grpo.py" not in files and "trainer/update.py" not in files, stage
+        assert "trainer/rl/grpo.py" not in files and "trainer/rl/update.py" not in files, stage
         assert not any(f.startswith("envs/") for f in files), stage
-    assert "trainer/grpo.py" in _modules("tasks.train")  # training does
-    assert "trainer/rollout.py" in _modules("tasks.baseline")  # the baseline runs rollouts
+    assert "trainer/rl/grpo.py" in _modules("tasks.train")  # training does
+    assert "trainer/rollout/loop.py" in _modules("tasks.baseline")  # the baseline runs rollouts
 
 
 @pytest.fixture

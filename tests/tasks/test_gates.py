@@ -15,8 +15,9 @@ import pytest
 from tasks.baseline import baseline_gates
 from tasks.evaluate import compare, paired_bootstrap, regression_gates, relative_change
 from tasks.optimize import pick_best
-from trainer.config import BaselineConfig, PromotionConfig
-from trainer.evaluate import EvalSummary, ItemSummary
+from trainer.config.baseline import BaselineConfig
+from trainer.config.promotion import PromotionConfig
+from trainer.rollout.evaluate import EvalSummary, ItemSummary
 
 
 def test_paired_bootstrap_by_hand():
@@ -56,14 +57,14 @@ def _summary(prefix: str, scores: dict[str, float], *, calls: float, tokens: flo
 BASE = {"i1": 0.2, "i2": 0.4, "i3": 0.6, "i4": 0.5}
 
 
-def _gates(after_scores, *, calls=4.0, tokens=100.0, p50=1.0, groups=None, champion=None, probes=None, **limits):
+def _gates(after_scores, *, calls=4.0, tokens=100.0, p50=1.0, groups=None, champion=None, hacks=None, **limits):
     promotion = PromotionConfig(group_by="category" if groups else None, bootstrap_samples=500, **limits)
     before = _summary("baseline", BASE, calls=4.0, tokens=100.0, p50=1.0, groups={"lookup": 0.5, "ratio": 0.3})
     after = _summary("candidate", after_scores, calls=calls, tokens=tokens, p50=p50, groups=groups)
     vs_baseline = compare((before, "baseline"), (after, "candidate"), samples=500, seed=0)
     vs_champion = compare((_summary("champion", champion, calls=4, tokens=100, p50=1), "champion"),
                           (after, "candidate"), samples=500, seed=0) if champion else None
-    return regression_gates(vs_baseline, vs_champion, probes, promotion)
+    return regression_gates(vs_baseline, vs_champion, hacks, promotion)
 
 
 def test_gain_gate_just_passes_and_just_fails():
@@ -96,14 +97,20 @@ def test_group_gate_uses_the_worst_group_and_is_skipped_without_group_by():
     assert "groups" not in _gates(better)  # no promotion.group_by: skipped
 
 
-def test_champion_and_probe_gates():
+def test_champion_and_hack_pattern_gates():
     better = {k: v + 0.1 for k, v in BASE.items()}
     gates = _gates(better, champion={k: v + 0.1 for k, v in BASE.items()})
     assert not gates["gain_vs_champion"].passed  # no better than the champion
     assert _gates(better, champion=BASE)["gain_vs_champion"].passed
-    probes = {"flagged": [{"probe": "many numbers"}], "tried": 23, "passed": False}
-    assert not _gates(better, probes=probes)["reward_hacking_probes"].passed
-    assert _gates(better, probes={"flagged": [], "tried": 23, "passed": True})["reward_hacking_probes"].passed
+
+    def shares(candidate: float, baseline: float) -> dict:
+        return {"candidate": {"share": candidate, "paid": 100}, "baseline": {"share": baseline, "paid": 100}}
+
+    assert not _gates(better, hacks=shares(0.12, 0.02))["hack_patterns"].passed  # 10 points more than the base
+    assert _gates(better, hacks=shares(0.06, 0.02))["hack_patterns"].passed  # within max_hack_share_increase
+    assert _gates(better, hacks=shares(0.0, 0.30))["hack_patterns"].passed  # fewer than the base model
+    assert not _gates(better, hacks=shares(0.03, 0.02), max_hack_share_increase=0.0)["hack_patterns"].passed
+    assert "hack_patterns" not in _gates(better)
 
 
 def test_baseline_gates_by_hand():

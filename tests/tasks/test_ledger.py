@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from tasks.ledger import readings, record_reading, split_digest
-from trainer.config import DataConfig
+from trainer.config.data import DataConfig
 from trainer.data import read_items, read_jsonl
 
 
@@ -75,3 +75,27 @@ def test_auto_keeps_a_dvc_pinned_ledger_outside_the_pin(tmp_path, demo_data_dir)
     with pytest.raises(DataError, match=r"data.test_ledger: .* is inside .*which .*data.dvc pins"):
         record_reading(inside, command="regression_eval", config="job", config_hash="a" * 16, model="m")
     assert not (data_dir / "test_readings.jsonl").exists()
+
+
+def test_a_config_is_the_same_config_when_only_a_default_was_added(tmp_path, demo_data_dir):
+    """The frozen demo config read at a later commit: a section added to the defaults moves the
+    resolved hash but not what the config sets, so it is one config read twice, and the
+    sentence says the resolved hash moved; a config that sets something else is another."""
+    from trainer.config.loading import load_config
+
+    data = _data(tmp_path, demo_data_dir, 5)
+    frozen = load_config(Path(__file__).resolve().parents[2] / "envs" / "finqa" / "demo.yaml")
+    # What it sets leaves out every default, so a section added later does not enter it.
+    assert "api" not in frozen.model_dump(exclude_defaults=True) and "api" in frozen.model_dump()
+    first = record_reading(data, command="regression_eval", config="demo", config_hash="1ea92f2a" + "0" * 8,
+                           config_written_hash=frozen.written_hash(), model="m")
+    again = record_reading(data, command="regression_eval", config="demo", config_hash="a777e81c" + "0" * 8,
+                           config_written_hash=frozen.written_hash(), model="m")
+    assert (first.count, again.count) == (1, 2) and len(again.configs) == 1
+    assert "resolved 1ea92f2a -> a777e81c: a default changed under it" in again.configs[0]
+    changed = frozen.model_copy(deep=True)
+    changed.training.kl_coef = 0.5
+    assert changed.written_hash() != frozen.written_hash()
+    third = record_reading(data, command="regression_eval", config="demo", config_hash="c" * 16,
+                           config_written_hash=changed.written_hash(), model="m")
+    assert len(third.configs) == 2 and "by 2 configs" in third.sentence()

@@ -36,7 +36,7 @@ def test_the_scorer_gives_the_pipelines_score_and_reward_on_every_rollout(world,
     import mlflow
 
     from tasks.rollout_eval import evaluate_model
-    from trainer.traces import log_rollout_traces
+    from trainer.rollout.traces import log_rollout_traces
 
     config = micro(world, endpoints, taught_model, grader=DEMO_GRADER, penalties={"per_tool_call": 0.05},
                    mlflow={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "scoring"})

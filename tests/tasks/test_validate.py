@@ -16,7 +16,7 @@ import pytest
 from envs.finqa.generate import generate_dataset, write_jsonl
 from tasks.expectations import derive_and_save, derive_suite, gx_context, load_suite
 from tasks.validate import validate_datasets
-from trainer.config import DataConfig
+from trainer.config.data import DataConfig
 from trainer.data import read_items
 from trainer.errors import DataError
 
@@ -50,7 +50,7 @@ def failures_of(failures: list[dict], expectation: str, column: str | None = Non
 
 def test_committed_suite_is_derived_from_the_pinned_traffic(repo_root, demo_data_dir, monkeypatch):
     from tasks.expectations import required_fields
-    from trainer.config import load_config
+    from trainer.config.loading import load_config
 
     monkeypatch.chdir(repo_root)  # the suite records the traffic path as given: relative
     config = load_config("envs/finqa/demo.yaml")

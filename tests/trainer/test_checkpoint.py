@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from envs.finqa.tiny_model import build_model, tiny_config
-from trainer.checkpoint import (
+from trainer.rl.checkpoint import (
     STATE_FILE,
     BestCheckpoints,
     latest_checkpoint,

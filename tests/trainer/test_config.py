@@ -8,15 +8,15 @@ import pytest
 import yaml
 
 from tasks.tracking import flat_params
-from trainer.config import (
-    PipelineConfig,
+from trainer.config.loading import (
     config_from_dict,
     load_config,
     merge_overrides,
     missing_env_vars,
     parse_overrides,
-    resolved_hyperparameters,
 )
+from trainer.config.pipeline import PipelineConfig
+from trainer.config.training import resolved_hyperparameters
 from trainer.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,14 +162,14 @@ def test_openai_hyperparameters_must_be_positive() -> None:
 
 def test_set_overrides_are_typed_like_yaml(tmp_path: Path) -> None:
     overrides = parse_overrides(["training.max_steps=2", "training.lora.r=8", "rollout.system_prompt=Be brief.",
-                                 "data.test_file=null", "promotion.run_probes=false"])
+                                 "data.test_file=null", "promotion.check_hack_patterns=false"])
     assert overrides == {"training": {"max_steps": 2, "lora": {"r": 8}}, "rollout": {"system_prompt": "Be brief."},
-                         "data": {"test_file": None}, "promotion": {"run_probes": False}}
+                         "data": {"test_file": None}, "promotion": {"check_hack_patterns": False}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({**MINIMAL, "training": {"batch_size": 4, "max_steps": 10}}))
     config = load_config(path, overrides)
     assert config.training.max_steps == 2 and config.training.batch_size == 4  # merged, not replaced
-    assert config.training.lora.r == 8 and config.data.test_file is None and config.promotion.run_probes is False
+    assert config.training.lora.r == 8 and config.data.test_file is None and config.promotion.check_hack_patterns is False
     with pytest.raises(ConfigError, match=r"training\.max_step: unknown key"):
         load_config(path, parse_overrides(["training.max_step=2"]))
 
@@ -203,7 +203,7 @@ def test_kl_coef_by_group_needs_a_group_field_and_falls_back_to_kl_coef() -> Non
 
 
 def test_groups_must_occur_in_the_training_items() -> None:
-    from trainer.grpo import check_groups
+    from trainer.rl.batches import check_groups
 
     items = [{"id": "a", "category": "ratio"}, {"id": "b", "category": "change"}]
     for key, value in (("kl_coef_by_group", 0.1), ("group_weights", 2.0)):
@@ -230,7 +230,7 @@ def test_group_weights_need_group_by_and_positive_weights() -> None:
 
 
 def test_weighted_order_puts_heavier_items_first_and_keeps_every_item_once_an_epoch() -> None:
-    from trainer.grpo import DataOrder
+    from trainer.rl.batches import DataOrder
 
     n = 1000
     weights = [3.0 if i % 4 == 0 else 1.0 for i in range(n)]  # a quarter of the items, three times as heavy

@@ -13,16 +13,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from trainer.engine import (
-    SamplingParams,
-    TransformersBackend,
-    TurnOutput,
+from trainer.errors import ConfigError
+from trainer.generation.backend import SamplingParams, TurnOutput
+from trainer.generation.engine import TransformersBackend
+from trainer.generation.sampling import (
     generate_all,
     sample_tokens,
     sequence_generator,
     sequential_generate,
 )
-from trainer.errors import ConfigError
 
 VOCAB = 300
 

@@ -24,21 +24,17 @@ import yaml
 from safetensors.torch import load_file
 
 from envs.finqa.local import local_tool_endpoints
-from tests.taught_model import (
-    GRADER,
-    OUTPUT_CHARS,
-    SYSTEM,
-    TOOLS,
-    copy_items,
-    teach_model,
-)
-from trainer.config import config_from_dict
+from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS, copy_items, teach_model
+from trainer.config.loading import config_from_dict
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_items, read_jsonl
 from trainer.errors import ConfigError
-from trainer.grpo import GRPOTrainer, fill_batch, in_loss, resample_share, train
-from trainer.loss import batch_advantages, chunked_logprobs, policy_loss, token_weights
-from trainer.rollout import RolloutRecord, RolloutSettings, run_rollouts_async
-from trainer.tools import ToolClient, ToolEndpoint
+from trainer.rl.batches import fill_batch, in_loss, resample_share
+from trainer.rl.grpo import GRPOTrainer, train
+from trainer.rl.loss import batch_advantages, chunked_logprobs, policy_loss, token_weights
+from trainer.rollout.loop import run_rollouts_async
+from trainer.rollout.record import RolloutRecord, RolloutSettings
+from trainer.rollout.tool_client import ToolClient
 
 REPO = Path(__file__).resolve().parents[2]
 NAMED_METRICS = [
@@ -205,7 +201,7 @@ def test_stopped_and_resumed_run_matches_the_uninterrupted_one(two_step_run, wor
 
 
 def test_cli_launches_several_cpu_processes_with_torchrun_and_gloo(world, endpoints):
-    from trainer.launch import launch_command
+    from trainer.rl.launch import launch_command
 
     config = micro_config(world, endpoints, num_processes=2)
     command, env = launch_command(config, ["--config", "x.yaml"])
@@ -216,7 +212,7 @@ def test_cli_launches_several_cpu_processes_with_torchrun_and_gloo(world, endpoi
 
 
 def test_one_process_launch_names_every_setting_accelerate_would_warn_about(world, endpoints):
-    from trainer.launch import launch_command
+    from trainer.rl.launch import launch_command
 
     command, _ = launch_command(micro_config(world, endpoints), ["--config", "x.yaml"])
     launcher = command[: command.index("flows.cli")]  # `python -m accelerate.commands.launch ...`
@@ -240,7 +236,7 @@ def test_infra_failures_are_left_out_of_the_loss_and_counted(world, endpoints, t
     trainer = GRPOTrainer(config, model_path=str(taught_model), output_dir=world / "infra")
     trainer.setup()
     try:
-        records = trainer._rollouts(read_items(world / "train.jsonl"), 12, seed=11, version=0)
+        records = trainer.rollouts(read_items(world / "train.jsonl"), 12, seed=11, version=0)
         trainer.train()
     finally:
         trainer.cleanup()
@@ -265,7 +261,7 @@ def test_infra_failures_are_left_out_of_the_loss_and_counted(world, endpoints, t
 
 
 def test_loss_gives_no_gradient_to_tool_output_tokens(world, endpoints, taught_model):
-    from trainer.policy import load_policy
+    from trainer.generation.policy import load_policy
 
     policy = load_policy(str(taught_model), device="cpu")
     settings = RolloutSettings(system_prompt=SYSTEM, temperature=0.7, max_turns=3, max_new_tokens_per_turn=48,
@@ -336,8 +332,8 @@ def test_lora_run_saves_merged_weights(world, endpoints, taught_model):
 TWO_PROCESSES = textwrap.dedent("""
     import hashlib, sys
     from pathlib import Path
-    from trainer.config import load_config
-    from trainer.grpo import GRPOTrainer
+    from trainer.config.loading import load_config
+    from trainer.rl.grpo import GRPOTrainer
 
     config_file, model, out, stop_after, resume = sys.argv[1:6]
     trainer = GRPOTrainer(load_config(config_file), model_path=model, output_dir=Path(out), resume=resume == "1")
@@ -516,7 +512,7 @@ def test_one_step_off_policy_samples_the_next_step_during_the_update(two_step_ru
     version old, whose sampler log-probs differ from the trainer's by the update (what TIS
     weighs), not by float noise; the copy holds the final weights after the last sync; and
     the process samples what the thread samples."""
-    from trainer.backends import ProcessSampler
+    from trainer.rollout.generators import ProcessSampler
 
     reference_dir, _, _ = two_step_run
     reference = {r["step"]: r for r in read_jsonl(reference_dir / "metrics.jsonl")}
@@ -542,8 +538,12 @@ def test_one_step_off_policy_samples_the_next_step_during_the_update(two_step_ru
         for key, value in _comparable(reference[1]).items():
             assert rows[1][key] == pytest.approx(value, rel=1e-3, abs=1e-6), (sampler, key)
         assert rows[1]["train/policy_lag_max"] == 0 and rows[2]["train/policy_lag_max"] == 1
-        assert {r["policy_version"] for r in read_jsonl(out / "rollouts" / "step_2.jsonl")} == {0}
+        step_2 = read_jsonl(out / "rollouts" / "step_2.jsonl")
+        assert {r["policy_version"] for r in step_2} == {0}
         assert reference[2]["train/sampler_diff_max"] < 1e-3 < rows[2]["train/sampler_diff_max"]
+        # Step 2's rollouts started while step 1 was updating, not after it (wall clock).
+        assert rows[1]["timing/learn_start_unix"] - 1.0 < min(r["started_at"] for r in step_2) \
+            < rows[1]["timing/learn_end_unix"], sampler
     for step in (1, 2):
         for key, value in _comparable(runs["thread"][step]).items():
             assert runs["process"][step][key] == pytest.approx(value, rel=1e-3, abs=1e-6), (step, key)
@@ -588,7 +588,7 @@ def test_an_error_in_the_sampler_process_is_raised_in_the_trainer(world, endpoin
 
 
 def test_overlap_sampler_process_needs_a_cpu_model(world, endpoints):
-    from trainer.backends import overlap_in_process
+    from trainer.rollout.generators import overlap_in_process
 
     config = micro_config(world, endpoints, max_staleness=1)
     with torch.device("meta"):
@@ -632,7 +632,7 @@ def test_deepspeed_and_fsdp_are_refused_with_the_alternative(world, endpoints, t
 
 def test_training_on_vllm_refuses_top_p_below_one_and_lora_syncs_its_adapter(world, endpoints, taught_model,
                                                                              tmp_path):
-    from trainer.vllm_backend import resolved_sync
+    from trainer.generation.weight_sync import resolved_sync
 
     config = micro_config(world, endpoints)
     config = config.model_copy(update={"rollout": config.rollout.model_copy(update={

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from trainer.loss import (
+from trainer.rl.loss import (
     ADVANTAGE_EPS,
     batch_advantages,
     chunked_logprobs,
@@ -218,7 +218,7 @@ def test_sampler_kl_is_kl_of_the_sampler_from_the_trainer_in_closed_form():
 
 
 def test_gspo_defaults_to_its_papers_clip_range():
-    from trainer.config import TrainingConfig
+    from trainer.config.training import TrainingConfig
 
     assert TrainingConfig(loss_type="gspo").clip_range() == (3e-4, 4e-4)
     assert TrainingConfig(loss_type="dapo").clip_range() == (0.2, 0.2)

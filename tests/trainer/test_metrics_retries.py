@@ -13,7 +13,7 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UN
 from sqlalchemy.exc import OperationalError
 
 from trainer.errors import InfraError
-from trainer.metrics import transient, with_retries
+from trainer.rl.metrics import transient, with_retries
 
 
 @pytest.mark.parametrize("exc", [

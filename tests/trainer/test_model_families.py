@@ -37,13 +37,15 @@ import torch
 from envs.finqa.local import local_tool_endpoints
 from tests import model_families
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS, copy_items
-from trainer.config import config_from_dict
+from trainer.config.loading import config_from_dict
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_items
-from trainer.engine import TransformersBackend
-from trainer.evaluate import summarize
-from trainer.policy import load_policy
-from trainer.rollout import RolloutRecord, RolloutSettings, run_rollouts_async
-from trainer.tools import ToolClient, ToolEndpoint
+from trainer.generation.engine import TransformersBackend
+from trainer.generation.policy import load_policy
+from trainer.rollout.evaluate import summarize
+from trainer.rollout.loop import run_rollouts_async
+from trainer.rollout.record import RolloutRecord, RolloutSettings
+from trainer.rollout.tool_client import ToolClient
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -112,7 +114,7 @@ def vllm_urls(taught: dict, world: Path) -> dict[str, str]:
     """One vLLM server per family, started together."""
     if not VLLM_PYTHON.exists():
         pytest.skip("no vLLM environment: create .venv-vllm with scripts/vllm_env.sh (make vllm)")
-    from trainer.vllm_servers import launched_server, server_args
+    from trainer.generation.vllm_launch import launched_server, server_args
 
     # One process a server (the engine and its worker inside the API server): half the start-up.
     args, env = server_args(max_model_len=MAX_TOTAL_TOKENS, dtype="float32", extra_args=[
@@ -211,8 +213,9 @@ def test_scripted_rollout_on_the_engine_is_token_exact(family, taught, world, en
 @pytest.mark.parametrize("family", FAMILIES)
 def test_scripted_rollout_on_vllm_is_the_engines(family, taught, world, endpoints, vllm_urls):
     assert family in vllm_urls, vllm_urls.get(f"{family}:error")
-    from trainer.vllm_backend import VllmBackend, VllmServers
-    from trainer.vllm_servers import SERVED_NAME
+    from trainer.generation.vllm_backend import VllmBackend
+    from trainer.generation.vllm_launch import SERVED_NAME
+    from trainer.generation.vllm_servers import VllmServers
 
     model_dir, messages = taught[family]
     policy = load_policy(str(model_dir), device="cpu", dtype="float32")
@@ -256,9 +259,9 @@ def test_two_grpo_steps_then_the_registry_then_serve_model(family, taught, world
     from envs.finqa.server import serve_in_thread
     from tasks.promote import register_candidate
     from tasks.tracking import RunContext, log_transformers_model
-    from trainer.grpo import train
-    from trainer.model_server import create_model_app
-    from trainer.policy import load_registered_policy
+    from trainer.generation.policy import load_registered_policy
+    from trainer.rl.grpo import train
+    from trainer.serving.model_server import create_model_app
 
     model_dir, messages = taught[family]
     tracking_uri = f"sqlite:///{world / 'mlflow.db'}"

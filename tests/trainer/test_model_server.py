@@ -12,9 +12,9 @@ import pytest
 from envs.finqa.server import serve_in_thread
 from envs.finqa.tool_schemas import TOOL_SCHEMAS
 from tests.taught_model import fit_tiny_model
+from trainer.generation.policy import Policy
 from trainer.graders import grade
-from trainer.model_server import create_model_app
-from trainer.policy import Policy
+from trainer.serving.model_server import create_model_app
 
 QUESTION = "What was ACME's net revenue in 2019?"
 JUDGE_PROMPT = "Grade the answer 12.5 against the reference 12.5. Reply with a score."

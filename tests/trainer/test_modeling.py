@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from envs.finqa.demo_model import MODEL_DIR
-from trainer.modeling import load_model_and_tokenizer
+from trainer.generation.modeling import load_model_and_tokenizer
 
 
 def test_threads_loading_at_once_each_get_the_saved_weights():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import PipelineConfig
-from trainer.rollout import RolloutRecord, RolloutSettings, ToolCallRecord, compute_reward
+from trainer.config.pipeline import PipelineConfig
+from trainer.rollout.record import RolloutRecord, RolloutSettings, ToolCallRecord, compute_reward
 
 
 def record(score: float | None, calls: list[str], *, status: str = "ok", tokens: int = 0) -> RolloutRecord:
@@ -94,7 +94,7 @@ def test_per_turn_and_overlong_penalties():
 
 def test_a_priced_tool_the_items_do_not_offer_is_a_clear_error():
     from trainer.errors import ConfigError
-    from trainer.rollout import check_tool_call_costs
+    from trainer.rollout.record import check_tool_call_costs
 
     items = [{"tools": [{"type": "function", "function": {"name": n}} for n in ("search", "calculator")]}]
     check_tool_call_costs({"calculator": 0.0}, items, "data/train.jsonl")
@@ -123,7 +123,7 @@ def test_a_repeated_call_pays_its_price_and_the_repeat_price():
 
 
 def test_repeated_calls_are_counted_in_the_evaluation_summary():
-    from trainer.evaluate import summarize
+    from trainer.rollout.evaluate import summarize
 
     once, twice = record(1.0, ["search", "cat"]), record(1.0, ["cat", "cat", "cat"])
     summary = summarize([once, twice], prefix="eval")

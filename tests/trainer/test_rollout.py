@@ -25,10 +25,11 @@ from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import fit_tiny_model
 from trainer.chat_formats import load_chat_format, parse_tool_call_blocks
 from trainer.chat_formats.hermes import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_items
-from trainer.engine import TransformersBackend
-from trainer.rollout import RolloutSettings
-from trainer.tools import ToolClient, ToolEndpoint
+from trainer.generation.engine import TransformersBackend
+from trainer.rollout.record import RolloutSettings
+from trainer.rollout.tool_client import ToolClient
 
 SYSTEM = "Answer with a number."
 GRADER = {"type": "numeric", "name": "answer", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}
@@ -111,7 +112,7 @@ def _run(taught, world, *, endpoints, settings=None, seed=0, temperature=0.0, n=
 
     async def go():
         async with ToolClient(endpoints, None, backoff_s=0.01, timeout_s=5) as client:
-            from trainer.rollout import run_rollouts_async
+            from trainer.rollout.loop import run_rollouts_async
 
             return await run_rollouts_async(
                 backend, load_chat_format(tokenizer), items or all_items, n_per_item=n, tool_client=client,
@@ -222,7 +223,7 @@ def test_same_seed_same_rollouts_and_loss_mask_covers_generated_tokens(taught, w
 
 
 def test_a_turn_gets_the_context_left_and_a_rollout_stops_when_too_little_is(taught, world):
-    from trainer.rollout import MIN_TURN_TOKENS
+    from trainer.rollout.loop import MIN_TURN_TOKENS
 
     items, corpus = world
     base = RolloutSettings(system_prompt=SYSTEM, temperature=0.0, max_new_tokens_per_turn=200)

@@ -28,17 +28,10 @@ import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from trainer.config.tools import ToolEndpoint
 from trainer.errors import ConfigError, DataError, InfraError
-from trainer.tools import (
-    RateLimit,
-    ToolCallResult,
-    ToolClient,
-    ToolEndpoint,
-    new_call_id,
-    new_trace_id,
-    resolve_headers,
-    retry_after_s,
-)
+from trainer.rollout.tool_client import ToolCallResult, ToolClient
+from trainer.wire import RateLimit, new_call_id, new_trace_id, resolve_headers, retry_after_s
 
 SECRET = "s3cr3t-token-0123456789"
 ITEM = {"id": "item-7", "question": "What was ACME's revenue growth in 2019?", "year": 2019}
@@ -722,7 +715,7 @@ def keepalive_race(how: str) -> Callable[[socket.socket, list], None]:
 
 @pytest.mark.parametrize(("how", "error"), [("fin", "RemoteProtocolError"), ("rst", "ReadError")])
 def test_stale_keepalive_connection_is_resent_at_once_uncounted(how, error, caplog):
-    caplog.set_level(logging.INFO, logger="trainer.tools")
+    caplog.set_level(logging.INFO, logger="trainer.rollout.tool_http")
     with raw_server(keepalive_race(how)) as (base_url, log):
 
         async def go() -> tuple[ToolClient, list[ToolCallResult]]:
@@ -766,4 +759,4 @@ def test_idle_connections_expire_before_the_servers_keepalive(server):
     """httpx keeps idle connections 5 s by default, exactly uvicorn's keep-alive timeout."""
     base_url, _ = server
     client = ToolClient(endpoints(base_url), SCHEMAS)
-    assert client._http._transport._pool._keepalive_expiry < 5.0
+    assert client.transport.http._transport._pool._keepalive_expiry < 5.0

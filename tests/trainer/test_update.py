@@ -16,10 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.config import RolloutConfig, TrainingConfig
-from trainer.loss import batch_advantages
-from trainer.rollout import RolloutRecord
-from trainer.update import PolicyUpdate
+from trainer.config.rollout import RolloutConfig
+from trainer.config.training import TrainingConfig
+from trainer.rl.loss import batch_advantages
+from trainer.rl.update import PolicyUpdate
+from trainer.rollout.record import RolloutRecord
 
 POSITIONS, VOCAB = 7, 4  # the prompt token and six generated ones; four tokens
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo")

@@ -31,21 +31,20 @@ import yaml
 from envs.finqa.local import local_tool_endpoints
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS, copy_items, teach_model
 from tests.vllm_env import VLLM_MARKS, VLLM_PYTHON
-from trainer.config import config_from_dict
+from trainer.config.loading import config_from_dict
+from trainer.config.tools import ToolEndpoint
 from trainer.data import read_items, read_jsonl, split_items
-from trainer.engine import GenerationBackend, SamplingParams, TransformersBackend
 from trainer.errors import InfraError
-from trainer.grpo import GRPOTrainer
-from trainer.rollout import RolloutRecord, run_rollouts_async
-from trainer.tools import ToolClient, ToolEndpoint
-from trainer.vllm_backend import (
-    VllmBackend,
-    VllmGenerator,
-    VllmServers,
-    launched_server,
-    server_args,
-    vllm_eval_backend,
-)
+from trainer.generation.backend import GenerationBackend, SamplingParams
+from trainer.generation.engine import TransformersBackend
+from trainer.generation.vllm_backend import VllmBackend, vllm_eval_backend
+from trainer.generation.vllm_generator import VllmGenerator
+from trainer.generation.vllm_launch import launched_server, server_args
+from trainer.generation.vllm_servers import VllmServers
+from trainer.rl.grpo import GRPOTrainer
+from trainer.rollout.loop import run_rollouts_async
+from trainer.rollout.record import RolloutRecord
+from trainer.rollout.tool_client import ToolClient
 
 pytestmark = VLLM_MARKS
 
@@ -53,7 +52,7 @@ pytestmark = VLLM_MARKS
 # One process (the engine and its worker inside the API server: SINGLE_PROCESS below) starts
 # in about half the time of vLLM's three on two cores.
 # No memory setting: a launched server's KV cache is sized from the model, the rollouts and
-# what the machine has free (trainer/vllm_servers.py kv_cache_bytes).
+# what the machine has free (trainer/generation/vllm_servers.py kv_cache_bytes).
 SERVER_ARGS = [
     "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "16",
     "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--distributed-executor-backend=uni",
@@ -386,7 +385,7 @@ def test_training_goes_on_when_one_replica_is_killed_and_another_hangs(trainer: 
         run = GRPOTrainer(config, model_path=str(taught_model), output_dir=tmp_path / "run", endpoints=endpoints)
         run.setup()
         calls = []
-        rollouts = run._rollouts
+        rollouts = run.rollouts
 
         def with_failures(items, n, seed, version):  # the real rollouts, a failure injected as they start
             calls.append(version)
@@ -396,7 +395,7 @@ def test_training_goes_on_when_one_replica_is_killed_and_another_hangs(trainer: 
                 os.killpg(hung.process.pid, signal.SIGSTOP)
             return rollouts(items, n, seed, version)
 
-        run._rollouts = with_failures
+        run.rollouts = with_failures
         try:
             result = run.train()
             alive = run.generator.servers.alive()

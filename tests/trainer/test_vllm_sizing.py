@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer import vllm_servers
 from trainer.errors import ConfigError
-from trainer.vllm_servers import cpu_thread_env, kv_cache_bytes, server_args
+from trainer.generation import vllm_launch
+from trainer.generation.vllm_launch import cpu_thread_env, kv_cache_bytes, server_args
 
 # Qwen3-0.6B's attention: 28 layers, 8 KV heads of 128 dimensions, bf16.
 QWEN3_06B = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
@@ -60,16 +60,16 @@ def test_a_launch_is_sized_unless_the_user_says_how_much_memory(model_dir: Path)
 def test_a_cpu_server_takes_half_the_cores_unbound_unless_the_environment_binds_them(
         monkeypatch: pytest.MonkeyPatch):
     # vLLM's default threads made a batch of rollouts beside an update 1.9-5x slower
-    monkeypatch.setattr(vllm_servers.os, "sched_getaffinity", lambda _: set(range(8)))
+    monkeypatch.setattr(vllm_launch.os, "sched_getaffinity", lambda _: set(range(8)))
     assert cpu_thread_env({}) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "4"}
     # the trainer's own OMP_NUM_THREADS (torchrun sets 1) does not size the server
     assert cpu_thread_env({"OMP_NUM_THREADS": "1"})["OMP_NUM_THREADS"] == "4"
-    monkeypatch.setattr(vllm_servers.os, "sched_getaffinity", lambda _: {0})
+    monkeypatch.setattr(vllm_launch.os, "sched_getaffinity", lambda _: {0})
     assert cpu_thread_env({"PATH": "/bin"})["OMP_NUM_THREADS"] == "1"  # at least one
     assert cpu_thread_env({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}) == {}  # vLLM's own setting, kept
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr(vllm_servers, "cuda_available", lambda: False)
+    monkeypatch.setattr(vllm_launch, "cuda_available", lambda: False)
     args, env = server_args(max_model_len=256)
     assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == ("nobind", "1")
-    monkeypatch.setattr(vllm_servers, "cuda_available", lambda: True)  # a GPU server: vLLM's own threads
+    monkeypatch.setattr(vllm_launch, "cuda_available", lambda: True)  # a GPU server: vLLM's own threads
     assert "OMP_NUM_THREADS" not in server_args(max_model_len=256)[1]

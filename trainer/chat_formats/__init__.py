@@ -31,6 +31,9 @@ code has fallbacks for Qwen alone). openai-harmony needs the o200k vocabulary fr
 servers or a file a machine is given by hand; it is the reference the gpt-oss format is tested
 against, as mistral-common is for Mistral's. The families here are a few dozen lines each on
 top of the template the model ships, and the self-check ties them to it.
+
+May import: `trainer.errors` and the other plumbing modules only; the generation backends,
+the rollout loop and serving use it.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ multi; the Agent RFT endpoint grader; our numeric (FinQA-style answers with part
 credit) and f1 (set overlap). A grader that cannot score a sample reports an error kind
 as OpenAI's graders/run does (`sample_parse_error`, `model_grader_server_error`, ...)
 and a reward of None, never a silent 0.
+
+May import: the plumbing modules of `trainer/` only (`errors`, `wire`, `data`); the config
+checks graders with it, and rollouts, the stages and the API score with it.
 """
 
 from trainer.graders.config import GRADER_TYPES, GraderConfigError, parse_grader, validate_grader

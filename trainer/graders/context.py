@@ -37,6 +37,10 @@ class GraderContext:
     an RL loop should be fast, raise it here when a grader needs more)."""
     python_memory_mb: int = 512
     """Address-space limit (RLIMIT_AS) of the python grader's process."""
+    python_fence: str | None = None
+    """`required`: a python grader runs only inside the Landlock file-system fence (graders
+    that arrive over the network); `best_effort`: fenced where the kernel can; None: as the
+    environment says (`AGENTRFT_PYTHON_GRADER_FENCE`, which `agentrft api` sets for its jobs)."""
     allowed_hosts: tuple[str, ...] | None = None
     """Hosts that score_model, label_model and endpoint graders may call; None allows any.
     Training jobs that must not reach the internet list their loopback judges here."""

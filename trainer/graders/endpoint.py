@@ -21,7 +21,7 @@ from trainer.graders.config import EndpointGrader
 from trainer.graders.context import GraderContext
 from trainer.graders.http_post import post_json
 from trainer.graders.result import GraderError
-from trainer.tools import new_trace_id, resolve_headers
+from trainer.wire import new_trace_id, resolve_headers
 
 
 async def endpoint_score(

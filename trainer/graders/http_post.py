@@ -6,7 +6,7 @@ the request's fault and is not retried. A 429 or 503 with `Retry-After` (seconds
 HTTP date, or OpenAI's `retry-after-ms`) is waited out instead of the backoff, and holds
 back every request to that URL meanwhile; a wait that would end past `http_timeout_s`
 after the first try fails at once. `GraderContext.max_requests_per_second` spaces the
-requests to each URL (`trainer.tools.RateLimit`, one per URL and event loop). Whatever
+requests to each URL (`trainer.wire.RateLimit`, one per URL and event loop). Whatever
 fails in the end is a GraderError of the caller's kind (`model_grader_server_error`,
 `endpoint_grader_server_error`) with the status and the start of the answer. Messages
 show the URL without its query string and never the headers: those hold API keys.
@@ -26,7 +26,7 @@ import httpx
 
 from trainer.graders.context import GraderContext
 from trainer.graders.result import GraderError
-from trainer.tools import RateLimit, retry_after_s
+from trainer.wire import RateLimit, retry_after_s
 
 _RETRIED_STATUS = frozenset({408, 429})
 _QUOTED_BODY_CHARS = 300

@@ -4,8 +4,11 @@ Each grade starts a fresh interpreter (`python -I python_runner.py`, the same Py
 packages as the trainer: numpy, rapidfuzz, rouge-score, nltk, ... as in OpenAI's
 image) in a new session, in an empty temporary directory, with an environment that
 holds no secrets (only PATH, locale and single-threaded BLAS settings). The runner
-fences itself in before running the code: memory limit, no processes, no network (see
-python_runner.py for how and for what this does not protect against).
+fences itself in before running the code: memory limit, no processes, no network, and
+(with Landlock) no file outside the interpreter's installation, read-only, and its own
+temporary folder (see python_runner.py for how and for what this does not protect
+against). `AGENTRFT_PYTHON_GRADER_FENCE=required` makes the file-system fence a condition
+of running at all.
 
 The parent enforces the wall-time limit: past `GraderContext.python_timeout_s` the whole
 process group is killed (SIGKILL to the session) and the grade is a
@@ -45,11 +48,22 @@ def python_grader_score(
         item,
         timeout_s=context.python_timeout_s,
         memory_mb=context.python_memory_mb,
+        fence=context.python_fence,
     )
 
 
+FENCE_ENV = "AGENTRFT_PYTHON_GRADER_FENCE"
+
+
+def fence_mode() -> str:
+    """`required` where graders arrive over the network (`agentrft api` sets it for the runs it
+    starts): no Landlock, no grade. Else `best_effort`: the config author's own code."""
+    return "required" if os.environ.get(FENCE_ENV) == "required" else "best_effort"
+
+
 def run_python_grader(
-    source: str, sample: dict[str, Any], item: dict[str, Any], *, timeout_s: float, memory_mb: int
+    source: str, sample: dict[str, Any], item: dict[str, Any], *, timeout_s: float, memory_mb: int,
+    fence: str | None = None,
 ) -> float:
     request = json.dumps(
         {
@@ -58,6 +72,7 @@ def run_python_grader(
             "item": item,
             "memory_mb": memory_mb,
             "cpu_s": math.ceil(timeout_s) + 1,
+            "fence": fence or fence_mode(),
         },
         default=str,
     ).encode()

@@ -1,9 +1,10 @@
 """Child-process side of the python grader: fence this process in, then run `grade`.
 
-Started by `python_grader.py` as `python -I python_runner.py` in a new session, with the
-request `{"source", "sample", "item", "memory_mb", "cpu_s"}` as JSON on stdin. It
-writes one JSON line on its original stdout: `{"score": float}` or `{"kind", "message"}`.
-The user's prints go to stderr, so they cannot garble the answer.
+Started by `python_grader.py` as `python -I python_runner.py` in a new session, in an
+empty temporary folder, with the request `{"source", "sample", "item", "memory_mb",
+"cpu_s", "fence"}` as JSON on stdin. It writes one JSON line on its original stdout:
+`{"score": float}` or `{"kind", "message"}`. The user's prints go to stderr, so they
+cannot garble the answer.
 
 Before the user's code runs, this process
 1. sets resource limits: address space (RLIMIT_AS, the memory limit), CPU seconds
@@ -13,15 +14,24 @@ Before the user's code runs, this process
    against ctypes: no new processes (fork, vfork, clone without CLONE_THREAD; clone3
    answers ENOSYS so threads fall back to clone), no sockets, no ptrace or
    process_vm_writev, and signals only to itself;
-3. replaces `socket.socket`, `socket.create_connection`, `socket.getaddrinfo`,
+3. fences the file system with Landlock (Linux 5.13 and later; the kernel enforces it
+   on every path, ctypes and C extensions included): from then on the process may read
+   and run only the interpreter's installation (its standard library and site-packages)
+   and the system's shared libraries, read and write only its own temporary folder, and
+   open no TCP connection (Landlock ABI 4 and later). Everything else, the server's
+   files, the MLflow store, the registry's models and the project's code included,
+   answers EACCES. With `fence: "required"` (graders that arrive over the network, from
+   `agentrft api`) a kernel without Landlock is an error and the code does not run;
+   with `"best_effort"` (the config author's own graders) it runs with the other fences;
+4. replaces `socket.socket`, `socket.create_connection`, `socket.getaddrinfo`,
    `os.fork`, `os.system`, `subprocess.Popen` and friends with functions that raise
    PermissionError with a readable message (the filter alone would give bare errnos,
    and it is the only guard where seccomp is unavailable).
 
 RLIMIT_NPROC is not used: it counts every process of the user, and root (which the
 trainer often is in containers) ignores it; the seccomp filter is what stops fork bombs.
-This is a fence for runaway or careless graders, not a sandbox for hostile code: the
-grader still runs as the trainer's user and can read and write its files.
+The grader still runs as the trainer's user: what the fences do not cover is CPU and
+memory within the limits above, and reading the files the interpreter's installation holds.
 
 This module imports only the standard library: `-I` keeps the project off sys.path.
 """
@@ -77,6 +87,12 @@ def main() -> None:
     os.dup2(2, 1)  # the user's prints land on stderr, not in the answer
     sys.stdout = sys.stderr
     _limit_resources(request["memory_mb"], request["cpu_s"])
+    fenced = _fence_file_system(os.getcwd())
+    if fenced is not None and request.get("fence") == "required":
+        os.write(answer_fd, (json.dumps({"kind": "python_grader_server_error", "message": fenced}) + "\n").encode())
+        return
+    if fenced is not None:
+        print(f"python grader: {fenced}; running without a file-system fence", file=sys.stderr)
     _install_seccomp_filter()
     _install_python_guards()
     answer = _run(request["source"], request["sample"], request["item"])
@@ -119,6 +135,98 @@ def _lower_limit(kind: int, value: int) -> None:
     if hard != resource.RLIM_INFINITY:
         value = min(value, hard)
     resource.setrlimit(kind, (value, value))
+
+
+# Landlock (linux/landlock.h): its three system calls have the same numbers on every architecture.
+_LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445, 446
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_RULE_PATH_BENEATH = 1
+# File-system rights by ABI: 1 has EXECUTE..MAKE_SYM (13 bits), 2 adds REFER, 3 TRUNCATE, 5 IOCTL_DEV.
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_FS_FILE_RIGHTS = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | (1 << 14) | (1 << 15)  # rights a file may carry
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 where there is none (or it is disabled)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    version = libc.syscall(_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                           ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))
+    return max(int(version), 0)
+
+
+def _fs_rights(abi: int) -> int:
+    rights = (1 << 13) - 1
+    if abi >= 2:
+        rights |= 1 << 13  # REFER
+    if abi >= 3:
+        rights |= 1 << 14  # TRUNCATE
+    if abi >= 5:
+        rights |= 1 << 15  # IOCTL_DEV
+    return rights
+
+
+def _readable_roots() -> list[str]:
+    """What a grader may read (and run): the interpreter's installation and the shared
+    libraries its extension modules load."""
+    import sysconfig
+
+    roots = {sys.base_prefix, sys.base_exec_prefix}
+    for name in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(name)
+        if path:
+            roots.add(path)
+    roots.add(os.path.dirname(os.path.realpath(sys.executable)))
+    roots.update(("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib"))
+    return sorted(os.path.realpath(r) for r in roots if os.path.exists(r))
+
+
+def _fence_file_system(workdir: str) -> str | None:
+    """Landlock this process to read-only installation paths and a read-write `workdir`, no
+    TCP; None when the fence is in place, else why it is not."""
+    abi = landlock_abi()
+    if abi < 1:
+        return "this kernel offers no Landlock (Linux 5.13 and later, enabled in the LSM list)"
+    handled = _fs_rights(abi)
+
+    class _Ruleset(ctypes.Structure):
+        _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+
+    class _PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    net = 0b11 if abi >= 4 else 0  # BIND_TCP, CONNECT_TCP: handled and never allowed
+    size = ctypes.sizeof(_Ruleset) if abi >= 6 else (16 if abi >= 4 else 8)
+    ruleset = _Ruleset(handled, net, 0)
+    fd = libc.syscall(_LANDLOCK_CREATE_RULESET, ctypes.byref(ruleset), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if fd < 0:
+        return f"Landlock refused the ruleset ({os.strerror(ctypes.get_errno())})"
+    try:
+        read = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
+        rules = [(path, read) for path in _readable_roots()] + [(workdir, handled), ("/dev/null", _FS_READ_FILE | _FS_WRITE_FILE)]
+        for path, allowed in rules:
+            try:
+                target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                if not os.path.isdir(path):
+                    allowed &= _FS_FILE_RIGHTS & handled
+                rule = _PathBeneath(allowed, target)
+                if libc.syscall(_LANDLOCK_ADD_RULE, fd, _LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0) != 0:
+                    return f"Landlock refused a rule for {path} ({os.strerror(ctypes.get_errno())})"
+            finally:
+                os.close(target)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            return f"no_new_privs refused ({os.strerror(ctypes.get_errno())})"
+        if libc.syscall(_LANDLOCK_RESTRICT_SELF, fd, ctypes.c_uint32(0)) != 0:
+            return f"Landlock refused to restrict this process ({os.strerror(ctypes.get_errno())})"
+    finally:
+        os.close(fd)
+    return None
 
 
 def _install_seccomp_filter() -> None:

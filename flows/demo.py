@@ -1,0 +1,47 @@
+"""`make demo`: the whole pipeline on the FinQA-style environment, on one machine.
+
+An entry point like `agentrft run`: it checks the demo's data against its DVC pin and its
+model against its pin, serves the environment's tools on loopback (envs/finqa/demo.py),
+runs the pipeline flow on the demo's config and hands back the outcome with its wall time.
+`agentrft demo-shift` runs a shift evaluation of the demo the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from envs.finqa.demo import DEMO_CONFIG, corpus_for, ensure_data, tool_server
+
+
+def run_demo(config: Any, refresh: list[str], *, stop_after: str | None = None, log: Any = print) -> dict[str, Any]:
+    """Check the data and the model, serve the tools, run the pipeline (up to `stop_after`)."""
+    from envs.finqa.demo_model import verify_model_pin
+    from flows.pipeline import agent_rft_pipeline, outcome_of, pipeline_parameters
+
+    started = time.perf_counter()
+    if Path(config.model.base_model).resolve() == DEMO_CONFIG.parent / "model":
+        pin = verify_model_pin()
+        log(f"demo model: envs/finqa/model matches its pin (md5 {pin['md5']})")
+    ensure_data(config, log=log)
+    with tool_server(config, corpus_for(config.data.train_file)) as base_url:
+        log(f"FinQA tool server: {base_url}")
+        state = agent_rft_pipeline(**pipeline_parameters(config, refresh, stop_after), return_state=True)
+    outcome = outcome_of(state)
+    outcome["wall_s"] = time.perf_counter() - started
+    outcome["demo"] = True
+    return outcome
+
+
+def run_demo_shift(config: Any, name: str, model: str, *, variant: str | None = None, log: Any = print
+                   ) -> dict[str, Any]:
+    """A shift evaluation of the demo (`tasks/shift.py`) with the tool server on the corpus
+    beside the split's items (the new companies' reports), else the demo's own."""
+    from tasks.shift import shift_evaluation, shift_split
+
+    ensure_data(config, log=log)
+    corpus = corpus_for(shift_split(config, name).file)
+    with tool_server(config, corpus) as base_url:
+        log(f"FinQA tool server: {base_url} on {corpus}")
+        return shift_evaluation(config, name, model, variant=variant, log=log)
