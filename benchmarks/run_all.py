@@ -24,7 +24,8 @@ where .venv-vllm exists; 3 steps, 16 rollouts per item), memory 600 (one update 
 Qwen's vocabulary before and after, about 2 minutes and 14 GiB at the peak of "before"),
 staleness 480 (both arms, 5 seeds, 12 steps, about 3 minutes), staleness_ppo2 and
 staleness_thread 420 each (3 seeds, about 2 minutes each), staleness_vllm 720 (3 seeds on
-one vLLM server, about 4 minutes): 107 minutes at worst, 40 to 50 typically.
+one vLLM server, about 4 minutes), api_load 2400 (`agentrft api` under load, about 15
+minutes): 147 minutes at worst, 55 to 65 typically.
 
     python benchmarks/run_all.py [--json benchmarks/results.json] [--only trl training] [--logs DIR]
 
@@ -81,6 +82,11 @@ BENCHMARKS: dict[str, tuple[str, list[str], int, int]] = {
     # hours here (finished arms are committed in benchmarks/data_scaling and kept while the
     # code that makes them is unchanged).
     "data_scaling": ("bench_data_scaling", [], 6 * 3600, 1),
+    # `agentrft api` under load: a 300 MB upload, 20 jobs at once, 100 polls while one trains,
+    # 50 chat completions at once, a kill -9 mid-job (about 15 minutes here).
+    "api_load": ("bench_api_load", [], 2400, 1),
+    # a full weight sync to a vLLM server, from the trainer's folder and over HTTP
+    "weight_sync": ("bench_weight_sync", ["--repeats", "3"], 900, 1),
 }
 # Run only when named in --only (`make bench-data`); a full run keeps their rows from the
 # existing file, with the partial run that made them.
@@ -340,6 +346,42 @@ def data_scaling_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 low=r.get("min"), high=r.get("max"), runs=r["runs"]) for r in results[0]["rows"]]
 
 
+def api_load_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    r = results[0]
+    up, jobs, poll, chat, restart = r["upload"], r["jobs"], r["polling"], r["chat"], r["restart"]
+    grown = up["rss_peak_mib"] - up["rss_before_mib"]
+    refused = {code: n for code, n in chat["codes"].items() if code not in ("200", "429")}
+    return [
+        row(f"agentrft api: memory taken by a {up['file_mb']:.0f} MB upload (MiB)", round(grown), "<= 100 MiB",
+            "met" if grown <= 100 else "not met", f"resident memory {up['rss_before_mib']:.0f} -> peak "
+            f"{up['rss_peak_mib']:.0f} MiB, {up['seconds']:.1f} s; one run (before the upload was streamed: "
+            "984 -> 2,777 MiB for 300 MB)"),
+        row("agentrft api: 20 jobs created at once, recorded with a flow run", f"{jobs['with_flow_run']} of 20",
+            "20 of 20", "met" if jobs["with_flow_run"] == jobs["recorded"] == 20 else "not met",
+            f"accepted {jobs['accepted']}, records {jobs['recorded']}; statuses {jobs['statuses']} (one registered "
+            f"model: they run in turn); create p50 {jobs['create_p50_s']:.2f} s, p95 {jobs['create_p95_s']:.2f} s"),
+        row("agentrft api: p95 of 100 concurrent jobs.retrieve / list_events while a job trains (s)",
+            round(poll["p95_s"], 2), "<= 1 s", "met" if poll["p95_s"] <= 1 else "not met",
+            f"p50 {poll['p50_s']:.2f} s, max {poll['max_s']:.2f} s; one run"),
+        row("serve-model: 50 concurrent chat completions, answers other than 200 or 429", sum(refused.values()),
+            "0", "met" if not refused and chat["alive"] else "not met",
+            f"codes {chat['codes']}; 8 slots, queue 16; served p95 {chat['served_p95_s'] or 0:.1f} s; resident "
+            f"memory {chat['rss_before_mib']:.0f} -> peak {chat['rss_peak_mib']:.0f} MiB; one run"),
+        row("agentrft api: a kill -9 mid-job, then a restart: the job's end", restart["final_status"], "succeeded",
+            "met" if restart["final_status"] == "succeeded" else "not met",
+            f"answering again {restart['answering_s']:.0f} s after the restart; status read back "
+            f"{restart['status_read_back']}; error {restart['error']}"),
+    ]
+
+
+def weight_sync_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    r = results[0]
+    return [row(f"full weight sync to a vLLM server, over HTTP / from the trainer's folder "
+                f"({r['parameters'] / 1e6:.1f}M parameters, {r['megabytes']:.0f} MB)", round(r["http_over_path"], 2),
+                "report", None, f"medians of {len(r['seconds']['http'])}: {r['http_s']:.2f} vs {r['path_s']:.2f} s "
+                f"(write, RPC, load, prefix-cache reset); one CPU server on loopback, {Path(r['model']).name}")]
+
+
 def staleness_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     r = results[0]
     sync = r["runs"]["0"]  # the synchronous arm (JSON keys are strings)
@@ -387,6 +429,9 @@ ROWS: dict[str, tuple[Callable[[list[dict[str, Any]]], list[dict[str, Any]]], li
     "staleness_thread": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, embedded engine, sampler thread"]),
     "staleness_vllm": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, vLLM"]),
     "data_scaling": (data_scaling_rows, ["validation gain by distinct training items"]),
+    "weight_sync": (weight_sync_rows, ["full weight sync over HTTP / from the trainer's folder"]),
+    "api_load": (api_load_rows, ["agentrft api: upload memory, 20 jobs at once, polling p95, chat burst, "
+                                 "kill -9 and restart"]),
 }
 
 
@@ -443,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets whole lines
     names = args.only or [name for name in BENCHMARKS if name not in OPT_IN]
-    for name in [n for n in ("vllm", "staleness_vllm") if n in names]:
+    for name in [n for n in ("vllm", "staleness_vllm", "weight_sync") if n in names]:
         if not VLLM_PYTHON.is_file():
             console.print(f"skipping {name}: {VLLM_PYTHON} is missing (make vllm)")
             names.remove(name)

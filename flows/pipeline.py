@@ -117,6 +117,10 @@ def run_stages(config: PipelineConfig, refresh: list[str] | None = None,
         nonlocal current
         current = stage
         def call(refresh: bool) -> tuple[Any, bool]:
+            if stage == "rft_training" and c.training.deployment:  # on the training deployment's work pool
+                from flows.training import run_training_deployment
+
+                return run_training_deployment(c.training.deployment, *args, refresh=refresh, ctx=ctx, **kwargs)
             state = task.with_options(refresh_cache=refresh)(*args, ctx=ctx, **kwargs, return_state=True)
             if state.is_failed() and state.name == "Stopped":  # a verdict (on the data), not a crash
                 raise PipelineStopped(state.message)

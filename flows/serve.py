@@ -9,7 +9,9 @@
 - `deploy_to_work_pool(config, pool)`: the same deployments registered on a Prefect work
   pool (`agentrft deploy --work-pool NAME`), for workers on other machines; the flow code is
   loaded from this checkout's directory (`flow.from_source`), so process workers that share
-  it (or a Docker/Kubernetes image that contains it) run the same code.
+  it (or a Docker/Kubernetes image that contains it) run the same code. With a training
+  pool (`--training-pool gpu`) the training stage is a deployment of its own on that pool
+  (flows/training.py) and the pipeline's runs send their training there.
 - `start_uis()`: a Prefect server and the MLflow UI on loopback with SQLite stores
   (`agentrft ui`), printing both URLs.
 """
@@ -101,12 +103,23 @@ def serve_deployments(config: PipelineConfig) -> None:
     serve(*build_deployments(config))
 
 
-def deploy_to_work_pool(config: PipelineConfig, pool: str, *, schedule: bool = True) -> list[str]:
-    """Register the three deployments on `pool`; returns their ids."""
+def deploy_to_work_pool(config: PipelineConfig, pool: str, *, schedule: bool = True,
+                        training_pool: str | None = None) -> list[str]:
+    """Register the three deployments on `pool`; returns their ids. With `training_pool`, the
+    training stage is a deployment of its own there (flows/training.py), which the pipeline
+    runs its training through."""
     from prefect import flow
     from prefect.schedules import Cron
 
+    from flows.training import DEPLOYMENT, FLOW
+
     ids = []
+    if training_pool is not None:
+        remote = flow.from_source(source=str(ROOT), entrypoint="flows/training.py:rft_training_flow")
+        ids.append(str(remote.deploy(name=DEPLOYMENT, work_pool_name=training_pool, tags=["agent-rft"], build=False,
+                                     push=False, print_next_steps=False)))
+        config = config.model_copy(update={"training": config.training.model_copy(
+            update={"deployment": f"{FLOW}/{DEPLOYMENT}"})})
     for entrypoint, name, params, schedules, triggers in (
         ("flows/pipeline.py:agent_rft_pipeline", PIPELINE_DEPLOYMENT, _parameters(config),
          _schedules(config) if schedule else None, None),

@@ -27,7 +27,7 @@ data_app = typer.Typer(help="Data: generate, verify and import the demo's, count
 env_app = typer.Typer(help="Example environments.", no_args_is_help=True)
 grader_app = typer.Typer(help="Validate, run and probe graders.", no_args_is_help=True)
 config_app = typer.Typer(help="Pipeline configs.", no_args_is_help=True)
-model_app = typer.Typer(help="The demo's base model.", no_args_is_help=True)
+model_app = typer.Typer(help="Models: import a GGUF, rebuild the demo's.", no_args_is_help=True)
 expectations_app = typer.Typer(help="Great Expectations suites.", no_args_is_help=True)
 for sub, name in ((data_app, "data"), (env_app, "env"), (grader_app, "grader"), (config_app, "config"),
                   (model_app, "model"), (expectations_app, "expectations")):

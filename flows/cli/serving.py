@@ -39,13 +39,17 @@ def serve(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None) -> N
 @app.command()
 def deploy(work_pool: Annotated[str, typer.Option(help="Prefect work pool.")],
            config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
-           no_schedule: Annotated[bool, typer.Option(help="Register without the cron.")] = False) -> None:
+           no_schedule: Annotated[bool, typer.Option(help="Register without the cron.")] = False,
+           training_pool: Annotated[str | None, typer.Option(
+               help="Run the training stage on this work pool's workers (e.g. the GPU machines'), the other "
+               "stages on --work-pool's.")] = None) -> None:
     """Register the deployments on a Prefect work pool (workers on other machines)."""
     from flows.serve import deploy_to_work_pool
 
-    ids = deploy_to_work_pool(_config(config, set_), work_pool, schedule=not no_schedule)
-    print(json.dumps({"work_pool": work_pool, "deployments": ids}, indent=2))
-    print(f"start a worker: prefect worker start --pool {work_pool}")
+    ids = deploy_to_work_pool(_config(config, set_), work_pool, schedule=not no_schedule, training_pool=training_pool)
+    print(json.dumps({"work_pool": work_pool, "training_pool": training_pool, "deployments": ids}, indent=2))
+    for pool in dict.fromkeys(filter(None, (work_pool, training_pool))):
+        print(f"start a worker: prefect worker start --pool {pool}")
 
 
 @app.command()

@@ -134,6 +134,15 @@ def test_a_large_upload_streams_in_bounded_memory(tmp_path):
         server.wait(timeout=30)
 
 
+def test_path_like_file_ids_are_not_found(served):
+    with served() as url:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        for file_id in ("..%2F..%2Fetc%2Fpasswd", "file-%00", "file-..%2F..%2Fmlflow.db", "%2Fetc%2Fpasswd"):
+            for suffix in ("", "/content"):
+                answer = httpx.get(f"{url}/v1/files/{file_id}{suffix}", headers=headers)
+                assert answer.status_code == 404, (file_id, suffix, answer.text[:200])
+
+
 # --- python graders --------------------------------------------------------------------------
 
 
@@ -141,7 +150,8 @@ def _python(source: str) -> dict:
     return {"type": "python", "name": "probe", "source": textwrap.dedent(source)}
 
 
-def test_python_graders_cannot_read_or_write_the_servers_files(served, tmp_path):
+def test_python_graders_cannot_read_or_write_the_servers_files(served, tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTRFT_API_KEY", KEY)  # the server's key, in the server's environment
     outside = tmp_path / "outside.txt"
     store = tmp_path / "mlflow.db"
     store.write_bytes(b"SQLite format 3\x00" + b"\x00" * 100)
@@ -156,6 +166,9 @@ def test_python_graders_cannot_read_or_write_the_servers_files(served, tmp_path)
             run = client.fine_tuning.alpha.graders.run(grader=_python(source), model_sample="1", item={})
             assert run.reward == 0.0 and run.metadata.errors.python_grader_runtime_error, name
             assert "Permission denied" in run.metadata.errors.python_grader_runtime_error_details, name
+        looks_for_the_key = "def grade(sample, item):\n    import os\n    return float(any('sk-test' in v for v in os.environ.values()))\n"
+        assert client.fine_tuning.alpha.graders.run(grader=_python(looks_for_the_key), model_sample="1",
+                                                    item={}).reward == 0.0  # the server's key is not in its env
         normal = "def grade(sample, item):\n    import math\n    return float(sample['output_text'] == item['ref'])\n"
         assert client.fine_tuning.alpha.graders.run(grader=_python(normal), model_sample="42",
                                                     item={"ref": "42"}).reward == 1.0

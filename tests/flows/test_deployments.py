@@ -87,28 +87,50 @@ def test_served_deployment_runs_with_custom_parameters(harness, world, endpoints
     assert result.parameters["config"]["prompt_optimization"]["target_score"] == 0.0
 
 
-def test_work_pool_worker_runs_a_deployment(harness, world, endpoints, taught_model):
+def test_training_runs_on_its_own_work_pool_and_the_other_stages_on_theirs(harness, world, endpoints,
+                                                                          taught_model):
+    """Two process work pools and a worker each: the pipeline's flow run on `cpu-pool`, its
+    training stage as a deployment of its own on `gpu-pool` (a subflow, its result read back),
+    both in Prefect's records; the training's MLflow run is a child of the pipeline's."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.deployments import run_deployment
 
     from flows.serve import deploy_to_work_pool
+    from tasks.tracking import mlflow_client
 
     with get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(name="cpu-pool", type="process"))
-    config = micro(world, endpoints, taught_model, prompt_optimization={"target_score": 0.0})
-    deploy_to_work_pool(config, "cpu-pool", schedule=False)
-    worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "cpu-pool",
-                               "--type", "process"], cwd=REPO, env=_env(world),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for pool in ("cpu-pool", "gpu-pool"):
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    config = micro(world, endpoints, taught_model)
+    ids = deploy_to_work_pool(config, "cpu-pool", schedule=False, training_pool="gpu-pool")
+    assert len(ids) == 4
+    workers = [subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type",
+                                 "process", "--name", f"{pool}-worker"], cwd=REPO, env=_env(world),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for pool in ("cpu-pool", "gpu-pool")]
     try:
-        run = run_deployment("agent-rft-pipeline/scheduled", timeout=900)
+        run = run_deployment("agent-rft-pipeline/scheduled", parameters={"stop_after": "rft_training"}, timeout=900)
         assert run.state.is_completed(), run.state
-        assert run.state.result()["outcome"] == "rft_not_needed"
+        outcome = run.state.result()
+        assert outcome["outcome"] == "stopped_after" and outcome["candidate"]["model_uri"]
+        with get_client(sync_client=True) as client:
+            pipeline = client.read_flow_run(run.id)
+            children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+            training = [r for r in children if r.deployment_id is not None]
+            assert pipeline.work_pool_name == "cpu-pool"
+            assert len(training) == 1 and training[0].work_pool_name == "gpu-pool"
+            assert training[0].state.is_completed()
+            assert {w.name for w in client.read_workers_for_work_pool("gpu-pool")} == {"gpu-pool-worker"}
+        stage = mlflow_client(config.mlflow.tracking_uri).get_run(outcome["stages"]["rft_training"]["run_id"])
+        assert stage.data.tags["mlflow.parentRunId"] == outcome["parent_run_id"]
     finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # a worker slow to shut down on a loaded machine
-            worker.kill()
-            worker.wait(timeout=30)
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # a worker slow to shut down on a loaded machine
+                worker.kill()
+                worker.wait(timeout=30)

@@ -185,8 +185,9 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
     port = _free_port()
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "AGENTRFT_TEST_KEY": KEY,
            "PREFECT_LOCAL_STORAGE_PATH": str(PREFECT_LOCAL_STORAGE_PATH.value())}
-    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "api", "--config", str(config_file), "--port",
-                               str(port), "--api-key", "${AGENTRFT_TEST_KEY}"], cwd=REPO, env=env)
+    command = [sys.executable, "-m", "flows.cli", "api", "--config", str(config_file), "--port", str(port),
+               "--api-key", "${AGENTRFT_TEST_KEY}"]
+    server = subprocess.Popen(command, cwd=REPO, env=env)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
 
     def answering():
@@ -225,6 +226,17 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
         resumed = client.fine_tuning.jobs.resume(job.id)
         assert resumed.status in ("queued", "running") and len(resumed.prefect_flow_run_ids) == 2
         assert any("Released the registered model's lock" in e.message for e in client.fine_tuning.jobs.list_events(job.id))
+
+        # kill -9 of the API server mid-job, then a restart: the job is read back from its record
+        # and Prefect, and its run goes on in the deployment server the first one left running.
+        serving = int((world / "runs" / "api" / "deployment.pid").read_text())
+        server.kill()
+        server.wait(timeout=60)
+        server = subprocess.Popen(command, cwd=REPO, env=env)
+        _wait("the restarted API", answering, 300, server)
+        back = client.fine_tuning.jobs.retrieve(job.id)
+        assert back.status in ("queued", "running") and back.prefect_flow_run_ids == resumed.prefect_flow_run_ids
+        assert int((world / "runs" / "api" / "deployment.pid").read_text()) == serving  # taken up, not doubled
 
         # A second job, cancelled: cancelled in the API and in Prefect.
         other = client.fine_tuning.jobs.create(  # without a validation_file: the server config's

@@ -147,6 +147,9 @@ def test_taught_model_replays_scripts_through_real_tools(taught, world):
     assert malformed.malformed_tool_calls == 1 and malformed.tool_calls == []
     assert malformed.status == "malformed_call" and malformed.score == 0.0
     assert malformed.finish_reasons == ["tool_calls"]
+    # what the model wrote stays in the record (and its trace): the block that did not parse
+    assert malformed.messages[-1]["role"] == "assistant" and malformed.messages[-1]["content"].startswith(
+        MALFORMED.strip()[:20])
     assert plain.status == "ok" and plain.score == 1.0
     assert budget.status == "ok" and len(budget.tool_calls) == 4
     assert parallel.finish_reasons == ["tool_calls", "stop"] and plain.finish_reasons == ["tool_calls"] * 2 + ["stop"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -249,6 +250,45 @@ def test_a_lora_adapter_swap_changes_the_log_probabilities(trainer: GRPOTrainer,
             assert min(max_diff(sampled(r), forward_logprobs(peft_model, r, 1.0)) for r in records) > 0.01
     finally:
         lora_trainer.cleanup()
+
+
+@pytest.mark.parametrize("sync", ["lora", "full"])
+def test_weights_reach_a_server_over_http_without_its_folder(trainer: GRPOTrainer, world: Path, endpoints,
+                                                             taught_model: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch, sync: str):
+    """`weight_source: http`, the module's server given by URL as a remote one would be: every
+    sync names the trainer's weight server, never a path of its folder; the server downloads
+    into a folder of its own and samples with the trainer's weights (full and LoRA)."""
+    sent: list[dict] = []
+    post = VllmServers.post
+
+    def recorded(self, url, path, body=None, **kwargs):  # the real request, its body kept
+        sent.append({"path": path, "body": body})
+        return post(self, url, path, body, **kwargs)
+
+    monkeypatch.setattr(VllmServers, "post", recorded)
+    url = trainer.generator.servers.urls[0]
+    config = vllm_config(world, endpoints, vllm={"urls": [url], "weight_source": "http", "sync": sync},
+                         max_steps=1, **({"lora": {"r": 8, "alpha": 16}} if sync == "lora" else {}))
+    remote = GRPOTrainer(config, model_path=str(taught_model), output_dir=tmp_path / "run", endpoints=endpoints)
+    remote.setup()
+    try:
+        assert remote.train().steps == 1 and remote.generator.version == 1
+        print(f"\n{sync} sync over HTTP: {remote.generator.sync_seconds} s")
+    finally:
+        remote.cleanup()
+        monkeypatch.undo()
+        trainer.generator.sync(trainer.step)  # the module's server holds the module trainer's weights again
+    row = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert row["train/sampler_diff_max"] < 1e-3  # the server sampled with the trainer's weights
+    syncs = [r for r in sent if r["path"] in ("/collective_rpc", "/v1/load_lora_adapter")]
+    assert syncs and str(tmp_path) not in json.dumps(syncs)  # no path of the trainer's folder crossed over
+    fetched = [r for r in syncs if r["path"] == "/collective_rpc"
+               and r["body"]["method"] in ("agentrft_fetch", "agentrft_fetch_and_reload")]
+    assert fetched and all(r["body"]["args"][0].startswith("http://127.0.0.1:") for r in fetched)
+    if sync == "lora":
+        loads = [r["body"]["lora_path"] for r in syncs if r["path"] == "/v1/load_lora_adapter"]
+        assert loads and all("agentrft-weights" in path for path in loads)  # the server's own folder
 
 
 def test_an_evaluation_backend_reloads_a_model_directory_on_the_servers(trainer: GRPOTrainer, world: Path,

@@ -38,6 +38,7 @@ the rollout loop and serving use it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.chat_formats.base import (
@@ -58,6 +59,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 CHAT_FORMATS = ("auto", *FAMILIES, "template")
+TEMPLATES = Path(__file__).with_name("templates")  # the chat templates the project ships, by name
+
+
+def chat_template_text(value: str) -> str:
+    """`model.chat_template`: the text of a shipped template (its name) or of a Jinja file."""
+    shipped = TEMPLATES / f"{value}.jinja"
+    path = shipped if shipped.is_file() else Path(value).expanduser()
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in TEMPLATES.glob("*.jinja")))
+        raise ConfigError(f"model.chat_template {value!r}: neither a template this project ships ({names}) nor a "
+                          "Jinja file")
+    return path.read_text(encoding="utf-8")
 
 
 def format_class(name: str) -> type[ChatFormat]:
@@ -93,10 +106,13 @@ def detect_family(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def load_chat_format(tokenizer: PreTrainedTokenizerBase, name: str = "auto", *,
-                     enable_thinking: bool | None = None) -> ChatFormat:
-    """The chat format for `tokenizer`, checked against its template. `auto` detects the
-    family; where the detected family's check fails, a prefix-stable template is used as it
-    is, else the error says what both checks found."""
+                     enable_thinking: bool | None = None, chat_template: str | None = None) -> ChatFormat:
+    """The chat format for `tokenizer`, checked against its template (`chat_template`, a
+    shipped name or a file, replaces the tokenizer's first). `auto` detects the family;
+    where the detected family's check fails, a prefix-stable template is used as it is,
+    else the error says what both checks found."""
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template_text(chat_template)
     if name != "auto":
         chosen = format_class(name)(tokenizer, enable_thinking=enable_thinking)
         chosen.check()
@@ -131,6 +147,7 @@ def describe(chat: ChatFormat) -> dict[str, Any]:
 
 __all__ = [
     "CHAT_FORMATS",
+    "TEMPLATES",
     "FAMILIES",
     "TOOL_TAGS",
     "ChatFormat",
@@ -143,6 +160,7 @@ __all__ = [
     "Qwen3Format",
     "TemplateFormat",
     "assistant_message",
+    "chat_template_text",
     "check_prefix_stable",
     "detect_family",
     "describe",

@@ -66,16 +66,18 @@ class TemplateFormat(ChatFormat):
         raise ConfigError(self._unsupported("it does not render an assistant turn after its generation prompt"))
 
     def check(self) -> None:
-        report = check_prefix_stable(self.tokenizer)
+        report = check_prefix_stable(self.tokenizer) or check_tools_and_calls(self.tokenizer)
         if report is not None:
             raise ConfigError(self._unsupported(report))
 
     def _unsupported(self, why: str) -> str:
         return (
-            f"the chat template of {self.tokenizer.name_or_path!r} cannot be used as a plain template: {why}. "
-            f"Rollouts keep the ids the model sampled, so a template must either be prefix-stable or belong to a "
-            f"family this project renders exactly ({', '.join(FAMILIES)}); set model.chat_format to the model's "
-            "family if its template is a variant of one"
+            f"the chat template of {self.tokenizer.name_or_path!r} cannot be used as a plain template "
+            f"(model.chat_format template): {why}. Rollouts keep the ids the model sampled, so a template must be "
+            f"prefix-stable, show the tools and write <tool_call> blocks, or belong to a family this project renders "
+            f"exactly ({', '.join(FAMILIES)}): set model.chat_format to the model's family if its template is a "
+            "variant of one, or model.chat_template to a template that shows tools (chatml-tools, shipped, for "
+            "ChatML models)"
         )
 
 
@@ -146,4 +148,33 @@ def check_prefix_stable(tokenizer: Any, tools: list[dict[str, Any]] | None = Non
                     f"the first {k + 1} messages render differently once {later} are "
                     f"rendered ({divergence(rendered, prompt)})"
                 )
+    return None
+
+
+_SHOWN_TOOL = {
+    "type": "function",
+    "function": {"name": "lookup_probe_7c1e", "description": "A probe tool.",
+                 "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}},
+}
+
+
+def check_tools_and_calls(tokenizer: Any) -> str | None:
+    """Whether the template shows the tools it is given (a model that cannot see its tools
+    makes no calls: it answers from memory, and nothing says why), and writes a tool call in
+    the `<tool_call>` syntax the format reads back (another syntax would be read as the
+    final answer). None when it does both, else a sentence saying which it does not."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_SHOWN_TOOL],
+                                           add_generation_prompt=True, tokenize=False)
+    if "lookup_probe_7c1e" not in prompt:
+        return ("it does not show the tools it is given (a tool's name is not in the prompt it renders), so the "
+                "model cannot call them")
+    before = tokenizer.apply_chat_template(_PROBE_MESSAGES[:2], tools=[_PROBE_TOOL], add_generation_prompt=True,
+                                           tokenize=False)
+    turn = tokenizer.apply_chat_template(_PROBE_MESSAGES[:3], tools=[_PROBE_TOOL], add_generation_prompt=False,
+                                         tokenize=False)
+    written = turn[len(before):] if turn.startswith(before) else turn
+    calls = parse_tool_call_blocks(written, tools=[_PROBE_TOOL]).tool_calls
+    if [(c.name, json.loads(c.arguments)) for c in calls] != [("search", {"query": "ACME 2019"})]:
+        return ("it writes a tool call in a syntax the format does not read back: the call search(query='ACME "
+                f"2019') renders as {written.strip()[:160]!r}, which the format would take for a final answer")
     return None

@@ -23,6 +23,11 @@ class ModelConfig(Section):
         "family, or 'template' for any other prefix-stable chat template. auto detects the family from the "
         "tokenizer's template; every choice is checked against the template when the model loads."
     )
+    chat_template: str | None = Field(
+        None, description="A chat template in place of the tokenizer's: a Jinja file, or one the project ships "
+        "(chatml-tools: ChatML with the tools in the system turn and Hermes <tool_call> blocks, for ChatML models "
+        "whose template shows no tools). Checked at load like the tokenizer's own: it must show the tools and write "
+        "calls the chat format reads back.")
     enable_thinking: bool | None = Field(
         None, description="qwen3 only: think before answering (true) or not (false); unset, the template's "
         "default (Qwen3: on). Reasoning tokens are trained like any sampled token and counted apart."

@@ -24,6 +24,13 @@ class VllmConfig(Section):
         None, description="Weight sync after each optimizer step: reload full weights from disk, swap a LoRA "
         "adapter, or NCCL transfer (GPU). Unset: lora when training.lora is set, else full."
     )
+    weight_source: Literal["path", "http"] = Field(
+        "path", description="How servers get the weights of full and LoRA syncs: path (they read the trainer's "
+        "folder: loopback, or a filesystem both sides mount), or http (the trainer serves the files and each server "
+        "downloads them into a folder of its own: servers on other hosts, no shared disk).")
+    weight_server_host: str = Field(
+        "127.0.0.1", description="With weight_source http: the address the trainer's weight server binds to and the "
+        "servers fetch from (this machine's address on their network; its port is chosen free).")
     extra_args: list[str] = Field(default_factory=list, description="Extra command-line arguments of a launched server.")
     api_key: str | None = Field(None, description="API key of the servers (may name `${VAR}`).")
     startup_timeout_s: float = Field(300.0, gt=0, description="How long a launched server may take to be ready.")

@@ -99,7 +99,15 @@ class TrainingConfig(Section):
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters (merged at save).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description="auto: bf16 on GPU.")
-    num_processes: int = Field(1, ge=1, description="Training processes (one per GPU; on CPUs, gloo processes).")
+    num_processes: int = Field(1, ge=1, description="Training processes in all, over every node (one per GPU; on "
+                               "CPUs, gloo processes); a multiple of `nodes`.")
+    nodes: int = Field(
+        1, ge=1, description="Machines the processes run on. Past one, each node runs `agentrft train` with its rank "
+        "and the rendezvous endpoint in its environment (AGENTRFT_NODE_RANK or NODE_RANK or SLURM_NODEID; "
+        "AGENTRFT_RDZV_ENDPOINT or MASTER_ADDR:MASTER_PORT), and output_dir must be a folder every node sees.")
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="How long a process waits in a collective (a gradient all-reduce, a gather) for "
+        "the others: past it a node that died is named and the run ends, from the last checkpoint.")
     distributed: Literal["none", "ddp", "fsdp"] | None = Field(
         None, description="How the processes share the model: none (one process), ddp (each holds it whole), "
         "fsdp (FSDP2: parameters, gradients and optimizer state sharded). Unset: none for one process, ddp for "
@@ -118,12 +126,23 @@ class TrainingConfig(Section):
         "reward", description="What ranks checkpoints on the validation split: reward (the grader's score less the "
         "configured penalties, i.e. the objective trained) or score (the grader's alone).")
     output_dir: str = Field("runs/train", description="Checkpoints, metrics and rollouts.")
+    deployment: str | None = Field(
+        None, description="Run the pipeline's training stage as this Prefect deployment (`rft-training/training`, "
+        "which `agentrft deploy --training-pool POOL` registers on its own work pool, e.g. the GPU machines'), "
+        "its result read back; None: in the pipeline's own process.")
 
     @field_validator("scale_rewards", mode="before")
     @classmethod
     def _scale_rewards_bool(cls, value: Any) -> Any:
         # TRL takes True/False as well: True is "group", False is "none".
         return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _processes_fill_the_nodes(self) -> TrainingConfig:
+        if self.num_processes % self.nodes:
+            raise ConfigError(f"training.num_processes ({self.num_processes}) must be a multiple of training.nodes "
+                              f"({self.nodes}): every node runs as many processes")
+        return self
 
     @model_validator(mode="after")
     def _one_process_without_distribution(self) -> TrainingConfig:

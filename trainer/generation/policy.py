@@ -63,12 +63,12 @@ class Policy:
 
 
 def load_policy(path_or_id: str, *, device: str = "auto", dtype: str = "auto", chat_format: str = "auto",
-                enable_thinking: bool | None = None) -> Policy:
+                enable_thinking: bool | None = None, chat_template: str | None = None) -> Policy:
     target = pick_device(device)
     model, tokenizer = load_model_and_tokenizer(str(path_or_id), device=target, dtype=pick_dtype(dtype, target))
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         model.config._attn_implementation = "sdpa"
-    chat = load_chat_format(tokenizer, chat_format, enable_thinking=enable_thinking)
+    chat = load_chat_format(tokenizer, chat_format, enable_thinking=enable_thinking, chat_template=chat_template)
     return Policy(model=model, tokenizer=tokenizer, path=str(path_or_id), chat=chat)
 
 
@@ -78,7 +78,7 @@ def load_config_policy(model_section: Any, path_or_id: str | None = None, *, dev
     stand in for the section's)."""
     return load_policy(path_or_id or model_section.base_model, device=device or model_section.device,
                        dtype=dtype or model_section.dtype, chat_format=model_section.chat_format,
-                       enable_thinking=model_section.enable_thinking)
+                       enable_thinking=model_section.enable_thinking, chat_template=model_section.chat_template)
 
 
 def use_mlflow_store(tracking_uri: str) -> None:

@@ -21,6 +21,7 @@ from trainer.generation.vllm_backend import VllmBackend
 from trainer.generation.vllm_launch import LaunchedServer, free_port, launched_server, server_args
 from trainer.generation.vllm_servers import VllmServers, reset_prefix_cache
 from trainer.generation.weight_sync import (
+    WeightServer,
     _HttpWeightSyncClient,
     _servable_dir,
     merged_state_dict,
@@ -69,6 +70,7 @@ class VllmGenerator:
         self.failure = ""
         self.sync_seconds: list[float] = []
         self.launched: list[LaunchedServer] = []  # servers this process started (main process only)
+        self.weights: WeightServer | None = None  # weight_source http: the files over HTTP (main process only)
         self._dtype: torch.dtype | None = None
         self._nccl: list[Any] = []
 
@@ -118,6 +120,9 @@ class VllmGenerator:
                 max_total_tokens=rollout.max_total_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
             ))
             generator = cls(servers, trainer=trainer, work_dir=work_dir, model=infos[0].model, mode=mode)
+            if vcfg.weight_source == "http" and mode != "nccl" and (accelerator is None or accelerator.is_main_process):
+                generator.weights = WeightServer(generator.work_dir, host=vcfg.weight_server_host)
+                stack.callback(generator.weights.close)
             if mode == "full" and lora is not None:
                 _on_main(accelerator, generator._warn_if_rounded)
             generator.launched = launched
@@ -197,10 +202,14 @@ class VllmGenerator:
         weights = merged_state_dict(self._policy(), self._served_dtype())
         directory = save_weights(weights, self.work_dir / "weights")
 
+        if self.weights is not None:  # the server downloads the file into a folder of its own
+            call = {"method": "agentrft_fetch_and_reload",
+                    "args": [self.weights.url(directory), ["model.safetensors"], str(step)]}
+        else:
+            call = {"method": "agentrft_reload_weights", "args": [str(directory), str(step)]}
+
         def reload(url: str) -> None:
-            answer = self.servers.post(url, "/collective_rpc", {
-                "method": "agentrft_reload_weights", "args": [str(directory), str(step)],
-            })
+            answer = self.servers.post(url, "/collective_rpc", call)
             for result in answer["results"]:
                 if not isinstance(result, dict) or result.get("tensors") != len(weights):
                     raise InfraError(f"vLLM server {url} did not load the weights of step {step}: {result}",
@@ -215,9 +224,19 @@ class VllmGenerator:
         directory = self.work_dir / "lora" / name
         self._policy().save_pretrained(str(directory))
         previous = self.model if self.model.startswith("policy-step-") else None
-        # load_inplace: the same step again (a resume) replaces what was loaded under its name
-        self._each_alive(f"the adapter sync of step {step}", lambda url: self.servers.post(
-            url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory), "load_inplace": True}))
+        files = sorted(p.name for p in directory.iterdir() if p.is_file())
+
+        def load(url: str) -> None:
+            path = str(directory)
+            if self.weights is not None:  # into a folder of the server's own first
+                fetched = self.servers.post(url, "/collective_rpc", {
+                    "method": "agentrft_fetch", "args": [self.weights.url(directory), files, name]})["results"]
+                path = fetched[0]
+            # load_inplace: the same step again (a resume) replaces what was loaded under its name
+            self.servers.post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path,
+                                                             "load_inplace": True})
+
+        self._each_alive(f"the adapter sync of step {step}", load)
         if previous and previous != name:
             for url in self.servers.alive():
                 with contextlib.suppress(ConfigError):  # already gone (a restarted server)

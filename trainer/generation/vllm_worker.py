@@ -21,7 +21,10 @@ server on a private network or behind its API key).
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,6 +75,32 @@ class WeightSyncExtension:
             "elements": sum(counted),
             "seconds": time.perf_counter() - started,
         }
+
+    def agentrft_fetch(self, base_url: str, files: list[str], name: str) -> str:
+        """Download `files` from the trainer's weight server (`base_url/<file>`) into a folder of
+        this server's own, `name` below the system's temporary folder, replacing an earlier one
+        of that name; returns its path (the server reads no folder of the trainer's)."""
+        root = Path(tempfile.gettempdir()) / "agentrft-weights"
+        target, partial = root / name, root / f"{name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        for file in files:
+            with urllib.request.urlopen(f"{base_url}/{file}", timeout=600) as answer, (partial / file).open("wb") as out:
+                shutil.copyfileobj(answer, out, 1 << 20)
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+        return str(target)
+
+    def agentrft_fetch_and_reload(self, base_url: str, files: list[str], version: str) -> dict[str, Any]:
+        """`agentrft_fetch` then `agentrft_reload_weights` from the downloaded folder, which is
+        removed after the load."""
+        started = time.perf_counter()
+        local = self.agentrft_fetch(base_url, files, f"full-{version}")
+        try:
+            loaded = self.agentrft_reload_weights(local, version)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        return {**loaded, "fetched_to": local, "seconds": time.perf_counter() - started}
 
     def agentrft_info(self) -> dict[str, Any]:
         """What the trainer needs to know before the first sync: the dtype the weights are

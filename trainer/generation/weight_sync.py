@@ -1,6 +1,12 @@
 """The trainer's weights as a vLLM server loads them: merged LoRA, one safetensors file
-replaced whole, the sync mode a config resolves to, and vLLM's NCCL weight-transfer calls
-over HTTP."""
+replaced whole, the sync mode a config resolves to, vLLM's NCCL weight-transfer calls over
+HTTP, and `WeightServer`: the trainer's files over HTTP for servers that cannot read its
+folder (`rollout.vllm.weight_source: http`).
+
+The weight server is plain HTTP from a folder of the trainer's run, under a path that
+holds a random token (the URL is the credential: bind it to the servers' private network,
+as their own development endpoints are). A server downloads what a sync names into a
+folder of its own (trainer/generation/vllm_worker.py) and loads it from there."""
 
 from __future__ import annotations
 
@@ -99,3 +105,47 @@ def _servable_dir(trainer: Any, fallback: Path) -> str:
 def resolved_sync(vllm_config: Any, lora: Any) -> str:
     """`rollout.vllm.sync` with its default: the adapter when training LoRA, else full weights."""
     return vllm_config.sync or ("lora" if lora is not None else "full")
+
+
+class WeightServer:
+    """Serve the files below `root` at `http://host:port/<token>/<relative path>`."""
+
+    def __init__(self, root: Path, host: str = "127.0.0.1"):
+        import http.server
+        import secrets
+        import threading
+        from functools import partial
+
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.token = secrets.token_urlsafe(16)
+        token = self.token
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def do_GET(self) -> None:  # only below /<token>/, and no folder listings
+                head, _, rest = self.path.lstrip("/").partition("/")
+                if head != token or not rest or rest.endswith("/"):
+                    self.send_error(404)
+                    return
+                self.path = "/" + rest
+                super().do_GET()
+
+            do_HEAD = do_GET
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer((host, 0), partial(Handler, directory=str(self.root)))
+        self.host = host
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="weight-server")
+        self._thread.start()
+
+    def url(self, path: Path) -> str:
+        """The URL of `path`, a file or folder below the root."""
+        relative = Path(path).resolve().relative_to(self.root).as_posix()
+        return f"http://{self.host}:{self.port}/{self.token}/{relative}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -66,6 +66,7 @@ rollout of the step's first groups, whole; also MLflow traces), `rollouts/eval_s
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import time
@@ -80,7 +81,7 @@ import torch
 from trainer.config.pipeline import PipelineConfig
 from trainer.config.tools import ToolEndpoint
 from trainer.config.training import resolved_hyperparameters
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, InfraError
 from trainer.generation.policy import load_config_policy, local_model_path
 from trainer.progress import Progress
 from trainer.rl.batches import (
@@ -94,6 +95,7 @@ from trainer.rl.batches import (
 from trainer.rl.checkpoint import BestCheckpoints, latest_checkpoint
 from trainer.rl.loss import batch_advantages, derived_seed, lr_factor
 from trainer.rl.metrics import MetricsSink, step_metrics
+from trainer.rl.nodes import NodeWatch, is_collective_failure
 from trainer.rl.run_files import checkpoint, evaluate, finish, keep_rollouts, restore
 from trainer.rl.setup import build_model, check_processes, refuse_sharded_launch
 from trainer.rl.sharding import resolved_distributed
@@ -138,7 +140,7 @@ class GRPOTrainer:
 
     def setup(self) -> None:
         from accelerate import Accelerator
-        from accelerate.utils import set_seed
+        from accelerate.utils import InitProcessGroupKwargs, set_seed
 
         training = self.config.training
         refuse_sharded_launch(training.accelerate_config)
@@ -147,10 +149,13 @@ class GRPOTrainer:
         self.distributed = resolved_distributed(training)
         mixed_precision = resolved_mixed_precision(training.mixed_precision)
         # Under FSDP its mixed-precision policy casts (bf16 compute over float32 shards), not autocast.
-        self.accelerator = acc = Accelerator(mixed_precision="no" if self.distributed == "fsdp" else mixed_precision)
+        timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=training.collective_timeout_s))
+        self.accelerator = acc = Accelerator(mixed_precision="no" if self.distributed == "fsdp" else mixed_precision,
+                                             kwargs_handlers=[timeout])
         self.is_main = acc.is_main_process  # this process logs, saves and draws
         set_seed(training.seed)
         check_processes(acc, self.distributed)
+        self.watch = NodeWatch(acc)
         if not self.endpoints:
             raise ConfigError("tools.endpoints is empty: declare the endpoint of every tool the model may call")
         self.train_items, self.eval_items, self.data, self.total_steps = plan_batches(
@@ -259,6 +264,12 @@ class GRPOTrainer:
                         checkpoint(self)
                     progress.update(1, f"reward {metrics['train/reward_mean']:.3f}, tool calls "
                                        f"{metrics['train/tool_calls_mean']:.2f}, {metrics['timing/step_s']:.1f} s/step")
+            except Exception as exc:
+                if self.accelerator.num_processes > 1 and is_collective_failure(exc):  # a node is gone: name it
+                    latest = latest_checkpoint(self.checkpoints_dir)
+                    raise InfraError(self.watch.explain(exc, step=self.step + 1, checkpoint=latest and str(latest))
+                                     ) from exc
+                raise
             finally:
                 if ahead is not None:
                     ahead.shutdown(wait=True, cancel_futures=True)  # no sampling outlives the generator
@@ -372,6 +383,8 @@ class GRPOTrainer:
         return self.whole.model if self.whole is not None else self.model
 
     def cleanup(self) -> None:
+        if hasattr(self, "watch"):
+            self.watch.close()
         self._exit.close()
         if hasattr(self, "accelerator"):
             self.accelerator.end_training()

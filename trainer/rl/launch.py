@@ -6,6 +6,12 @@ command (`launch_command`), whose processes each run `run()`. On a machine witho
 several processes are started with accelerate's torchrun launcher and
 `ACCELERATE_USE_CPU=true` (gloo): `accelerate launch --cpu --num_processes 2` starts a
 single process in accelerate 1.x unless MPI is configured.
+
+Past one machine (`training.nodes`), the same command runs on every node: each takes its
+rank and the rendezvous endpoint from the environment a scheduler or a shell sets
+(`node_topology`), and accelerate starts torchrun with a c10d rendezvous there. torchrun
+assigns the global ranks; the trainer then names each node by its hostname and the rank
+its environment gave it, so a node that dies is named in the error that ends the run.
 """
 
 from __future__ import annotations
@@ -28,6 +34,34 @@ def needs_launcher(config: Any) -> bool:
     return wanted and not any(name in os.environ for name in (LAUNCHED, "LOCAL_RANK", "WORLD_SIZE"))
 
 
+NODE_RANK_VARIABLES = ("AGENTRFT_NODE_RANK", "NODE_RANK", "SLURM_NODEID", "JOB_COMPLETION_INDEX")
+
+
+def node_topology(config: Any, environ: dict[str, str] | None = None) -> tuple[int, str, int] | None:
+    """(node rank, rendezvous host, port) for a run over `training.nodes` machines, read from
+    the environment (Slurm, Kubernetes indexed Jobs or a shell); None for one machine."""
+    from trainer.errors import ConfigError
+
+    if config.training.nodes == 1:
+        return None
+    environ = dict(os.environ if environ is None else environ)
+    rank_name = next((name for name in NODE_RANK_VARIABLES if environ.get(name, "").strip()), None)
+    if rank_name is None:
+        raise ConfigError(f"training.nodes is {config.training.nodes}: set this node's rank (0 to "
+                          f"{config.training.nodes - 1}) in one of {', '.join(NODE_RANK_VARIABLES)}")
+    rank = environ[rank_name].strip()
+    if not rank.isdigit() or int(rank) >= config.training.nodes:
+        raise ConfigError(f"{rank_name}={rank!r}: a node rank is 0 to {config.training.nodes - 1}")
+    endpoint = environ.get("AGENTRFT_RDZV_ENDPOINT", "").strip()
+    if not endpoint and environ.get("MASTER_ADDR"):
+        endpoint = f"{environ['MASTER_ADDR']}:{environ.get('MASTER_PORT', '29500')}"
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("training.nodes > 1: set AGENTRFT_RDZV_ENDPOINT=host:port (or MASTER_ADDR and "
+                          f"MASTER_PORT), the rendezvous every node reaches; got {endpoint!r}")
+    return int(rank), host, int(port)
+
+
 def launch_command(config: Any, argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """The `accelerate launch` command (and the environment it adds) that runs
     `agentrft train` with `argv` on the config's processes."""
@@ -36,6 +70,7 @@ def launch_command(config: Any, argv: Sequence[str]) -> tuple[list[str], dict[st
     command = [sys.executable, "-m", "accelerate.commands.launch"]
     env = {LAUNCHED: "1"}
     processes = config.training.num_processes
+    topology = node_topology(config)
     if config.training.accelerate_config:
         command += ["--config_file", config.training.accelerate_config]
         if processes > 1:
@@ -44,8 +79,13 @@ def launch_command(config: Any, argv: Sequence[str]) -> tuple[list[str], dict[st
         # Every setting accelerate would otherwise default (and warn about at each launch);
         # the trainer's Accelerator still sets its own mixed precision from the config.
         mixed = resolved_mixed_precision(config.training.mixed_precision)
-        command += ["--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", mixed,
-                    "--dynamo_backend", "no"]
+        command += ["--num_processes", str(processes), "--num_machines", str(config.training.nodes),
+                    "--mixed_precision", mixed, "--dynamo_backend", "no"]
+    if topology is not None:
+        rank, host, port = topology
+        command += ["--num_machines", str(config.training.nodes), "--machine_rank", str(rank),
+                    "--main_process_ip", host, "--main_process_port", str(port), "--rdzv_backend", "c10d"]
+        env["AGENTRFT_NODE_RANK"] = str(rank)
     if not torch.cuda.is_available():
         if processes > 1:
             # accelerate's `--cpu` starts one process unless MPI is set up; its torchrun
@@ -59,7 +99,8 @@ def launch_command(config: Any, argv: Sequence[str]) -> tuple[list[str], dict[st
             # accelerate's own default (physical cores per process), named so it does not warn
             import psutil
 
-            threads = max(1, (psutil.cpu_count(logical=False) or 1) // processes)
+            per_node = processes // config.training.nodes
+            threads = max(1, (psutil.cpu_count(logical=False) or 1) // per_node)
             command += ["--num_cpu_threads_per_process", str(threads)]
     return [*command, "-m", "flows.cli", "train", *argv], env
 

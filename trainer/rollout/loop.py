@@ -210,6 +210,8 @@ async def _loop_turns(
             record.status = "ok"
             return
         record.finish_reasons.append("tool_calls")
+        if parsed.errors:  # what the model wrote, whole: the call that did not parse is the thing to read
+            assistant["content"] = chat.decode(output.token_ids)
         messages.append(assistant)
         valid, malformed = _sort_calls(parsed, tool_client, item)
         record.malformed_tool_calls += len(malformed)
