@@ -76,7 +76,7 @@ class RunContext(BaseModel):
     parent_run_id: str
     data_md5: str
     config_hash: str
-    config_written_hash: str
+    config_written_hash: str = ""  # what the config sets (PipelineConfig.written_hash); "" where none was recorded
     git_commit: str
     flow_run_id: str
     flow_run_url: str

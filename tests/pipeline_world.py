@@ -11,6 +11,7 @@ exactly, or needs one run's outcome, runs them one at a time. The fixtures that 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tests.taught_model import GRADER, OUTPUT_CHARS, SYSTEM, TOOLS
@@ -49,3 +50,18 @@ def micro(world: Path, endpoints, model: Path, **overrides):
         "mlflow": {"tracking_uri": f"sqlite:///{world / 'mlflow.db'}", "experiment": "micro"},
     }
     return config_from_dict(merge_overrides(raw, overrides))
+
+
+def job_rows(world: Path) -> Path:
+    """The world's splits as an OpenAI RFT job brings them: each row with its own `tools`, the
+    schemas the taught model knows (a job's tools replace the server config's, schemas
+    included), in a folder of their own."""
+    out = world / "job-data"
+    out.mkdir(exist_ok=True)
+    for split in ("train", "validation", "test"):
+        rows = [json.loads(line) for line in (world / "data" / f"{split}.jsonl").read_text().splitlines() if line]
+        (out / f"{split}.jsonl").write_text("".join(json.dumps({**row, "tools": TOOLS}) + "\n" for row in rows))
+    return out
+
+
+JOB_TOOLS = tuple(tool["function"]["name"] for tool in TOOLS)  # the endpoints a job names: the taught model's

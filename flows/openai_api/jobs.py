@@ -61,7 +61,7 @@ def _file_path(files: Any, job: dict[str, Any], key: str) -> str:
     return str(files.path(record))
 
 
-def _check_method(body: dict[str, Any]) -> dict[str, Any]:
+def check_method(body: dict[str, Any]) -> dict[str, Any]:
     from trainer.graders import GraderConfigError, validate_grader
 
     method = body.get("method")
@@ -103,7 +103,7 @@ def job_config(body: dict[str, Any], files: Any, base: dict[str, Any], *, base_m
     """The pipeline config of a job body (its model checked and resolved as `base_model`), and
     notes on what was ignored or defaulted. Raises ApiError (400) naming the field; nothing is
     stored."""
-    rft = _check_method(body)
+    rft = check_method(body)
     _check_tool_hosts(rft, allowed_tool_hosts)
     notes = []
     job = {"model": base_model or body.get("model"), "method": body["method"],

@@ -15,6 +15,7 @@ from flows.openai_api.jobs import (
     ORGANIZATION,
     JobStore,
     add_event,
+    check_method,
     content_problem,
     fine_tuned_name,
     job_config,
@@ -135,7 +136,11 @@ class FineTuningApi:
         from tasks.tracking import mlflow_client, resolve_tracking_uri
 
         if model.startswith("ft:"):
-            return self.model_uri(model)[0]
+            try:
+                return self.model_uri(model)[0]
+            except ApiError:
+                raise ApiError(400, f"model {model!r} is no fine-tuned model of this server (GET /v1/models lists "
+                               "them)", param="model", code="model_not_found") from None
         if model.startswith("models:/"):
             name, sep, ref = model.removeprefix("models:/").partition("@")
             name, slash, version = name.partition("/") if not sep else (name, "", "")
@@ -170,8 +175,7 @@ class FineTuningApi:
         for key in ("model", "training_file"):
             if not body.get(key):
                 raise ApiError(400, f"{key} is required", param=key, code="missing_required_parameter")
-        method = body.get("method") if isinstance(body.get("method"), dict) else {}
-        rft = method.get("reinforcement") if isinstance(method.get("reinforcement"), dict) else {}
+        rft = check_method(body)
         self.check_python_graders(rft.get("grader"), "method.reinforcement.grader")
         base_model = self.base_model_of(str(body["model"]))
         config, notes = job_config(body, self.files, self.base, base_model=base_model,

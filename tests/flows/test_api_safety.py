@@ -189,6 +189,7 @@ NO_LANDLOCK = textwrap.dedent("""
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
     prog = Prog(len(program), ctypes.addressof(filters))
     libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     assert libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.addressof(prog), 0, 0) == 0
     os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """)

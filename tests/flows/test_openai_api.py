@@ -22,11 +22,12 @@ import openai
 import pytest
 import yaml
 
-from tests.pipeline_world import micro
+from tests.pipeline_world import JOB_TOOLS, job_rows, micro
 from tests.taught_model import GRADER, SYSTEM, TOOLS
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-test-agentrft"
+MODEL = str(REPO / "envs" / "finqa" / "model")  # a model folder: a job's model is checked when it is made
 
 
 @pytest.fixture()
@@ -103,7 +104,7 @@ def test_bad_job_bodies_get_openai_errors_and_leave_nothing(api_client):
 
     def refused(**body) -> dict:
         with pytest.raises(openai.BadRequestError) as exc:
-            client.fine_tuning.jobs.create(model="tiny", training_file=train, **body)
+            client.fine_tuning.jobs.create(model=MODEL, training_file=train, **body)
         return _error(exc.value)
 
     assert refused(method={"type": "supervised", "supervised": {}})["param"] == "method.type"
@@ -132,7 +133,7 @@ def test_rft_content_checks_fail_the_job_in_validating_files_naming_file_and_lin
     rows[1] = json.dumps({"messages": [], "reference_answer": "1"}).encode()  # line 2: no messages
     train = client.files.create(file=("train.jsonl", b"\n".join(rows) + b"\n"), purpose="fine-tune")
     valid = client.files.create(file=("valid.jsonl", _rows(2)), purpose="fine-tune")
-    job = client.fine_tuning.jobs.create(model="tiny", training_file=train.id, validation_file=valid.id,
+    job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, validation_file=valid.id,
                                          method={"type": "reinforcement", "reinforcement": {"grader": GRADER}})
     assert job.status == "validating_files"
     failed = _wait("validation", lambda: (lambda j: j if j.status != "validating_files" else None)(
@@ -198,11 +199,12 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
 
     try:
         _wait("the API", answering, 300, server)
-        data = world / "data"
+        data = job_rows(world)  # each row with its tools: the job's tools replace the server config's
         files = {split: client.files.create(file=open(data / f"{split}.jsonl", "rb"), purpose="fine-tune").id
                  for split in ("train", "validation", "test")}
         rft = {"grader": GRADER, "max_episode_steps": 3,
-               "tools": [{"name": e.name, "server_url": e.server_url, "headers": e.headers} for e in endpoints],
+               "tools": [{"name": e.name, "server_url": e.server_url, "headers": e.headers} for e in endpoints
+                         if e.name in JOB_TOOLS],
                "hyperparameters": {"batch_size": 2, "learning_rate_multiplier": 0.01, "eval_interval": 3, "eval_samples": 2, "compute_multiplier": 0.5,
                                    "reasoning_effort": "low"}}
         job = client.fine_tuning.jobs.create(

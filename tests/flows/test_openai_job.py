@@ -11,7 +11,7 @@ import yaml
 
 from flows.openai_api.job_body import config_from_openai_job
 from tasks.tracking import mlflow_client
-from tests.pipeline_world import LEARNS, micro
+from tests.pipeline_world import JOB_TOOLS, LEARNS, job_rows, micro
 from trainer.data import read_items, split_items, write_jsonl
 from trainer.errors import ConfigError
 
@@ -115,9 +115,16 @@ def test_openai_job_runs_as_the_pipeline(harness, world, endpoints, taught_model
     job = world / "job.json"
     # The promotion decision on the world's six test items (ours; OpenAI has no test file),
     # and the micro preset's seed and the steps and samples of its promotion test: this run
-    # trains exactly as the pipeline tests' does.
-    job.write_text(json.dumps({**job_body(world, endpoints, str(taught_model)), "seed": 42,
-                               "test_file": str(world / "data" / "test.jsonl")}))
+    # trains exactly as the pipeline tests' does. The rows carry their tools, the schemas the
+    # taught model knows, and the job names their endpoints: what it gives replaces the
+    # server config's tools whole.
+    rows = job_rows(world)
+    body = job_body(world, endpoints, str(taught_model))
+    body["method"]["reinforcement"]["tools"] = [t for t in body["method"]["reinforcement"]["tools"]
+                                                if t["name"] in JOB_TOOLS]
+    job.write_text(json.dumps({**body, "seed": 42, "training_file": str(rows / "train.jsonl"),
+                               "validation_file": str(rows / "validation.jsonl"),
+                               "test_file": str(rows / "test.jsonl")}))
     base = micro(world, endpoints, taught_model, **LEARNS).model_dump(mode="json")
     for section in ("model", "data", "grader"):
         base.pop(section)
@@ -132,5 +139,5 @@ def test_openai_job_runs_as_the_pipeline(harness, world, endpoints, taught_model
     parent = client.get_run(version.tags["pipeline_run_id"])
     assert parent.data.params["grader.type"] == "multi"
     assert parent.data.params["training.learning_rate_multiplier"] == "500.0"
-    assert parent.data.params["data.test_file"] == str(world / "data" / "test.jsonl")
+    assert parent.data.params["data.test_file"] == str(rows / "test.jsonl")
     assert "job-secret-token" not in json.dumps(parent.data.params)

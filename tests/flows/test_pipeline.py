@@ -99,7 +99,7 @@ def test_first_run_records_six_stages_and_promotes(first_run):
         assert all(row["item"]["reference_answer"] is not None for row in records["expectations"])
     for stage, artifact in (("validate_data", "validation_report.md"), ("baseline", "per_item_spread.png"),
                             ("prompt_optimization", "variants.md"), ("regression_eval", "regression_report.md"),
-                            ("regression_eval", "reward_hacking_probes.json"), ("promotion", "promotion.json")):
+                            ("regression_eval", "hack_patterns.json"), ("promotion", "promotion.json")):
         assert artifact in {a.path for a in client.list_artifacts(stages[stage].info.run_id)}, (stage, artifact)
 
     # the reading of the test split is in the ledger and on the run, and the report says it

@@ -375,11 +375,16 @@ def test_unstable_templates_are_refused_with_where_they_part(template, problem):
 
 def test_a_prefix_stable_llama_style_template_runs_as_a_plain_template():
     tokenizer = build_tokenizer(CORPUS, vocab_size=512)
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
-        "{{ m.content }}<|im_end|>{% endfor %}"
-        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-    )
+    turns = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}"
+             "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+             "{{ c.function.arguments }}}</tool_call>{% endfor %}<|im_end|>{% endfor %}"
+             "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    # Without the tools in the prompt the model could not call them: refused, saying what to set.
+    tokenizer.chat_template = turns
+    with pytest.raises(ConfigError, match=r"does not show the tools.*model\.chat_template"):
+        load_chat_format(tokenizer)
+    tokenizer.chat_template = ("{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n{% for t in tools %}"
+                               "{{ t | tojson }}\n{% endfor %}<|im_end|>{% endif %}" + turns)
     chat = load_chat_format(tokenizer)
     assert isinstance(chat, TemplateFormat) and chat.turn_tail == ""
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "r"}]

@@ -61,7 +61,7 @@ def test_a_template_writing_calls_in_another_syntax_is_refused(smollm2: Path, tm
 
     template = (Path(__file__).resolve().parents[2] / "trainer" / "chat_formats" / "templates" /
                 "chatml-tools.jinja").read_text()
-    other = template.replace("'\\n<tool_call>\\n{\"name\": \"' }}", "'<｜tool▁call▁begin｜>' }}").replace(
+    other = template.replace("'\\n<tool_call>\\n{\"name\": \"' }}", "'\\n<｜tool▁call▁begin｜>' }}").replace(
         "{{- '\", \"arguments\": ' }}", "{{- '<｜tool▁sep｜>' }}").replace("{{- '}\\n</tool_call>' }}",
                                                                            "{{- '<｜tool▁call▁end｜>' }}")
     assert other != template

@@ -83,8 +83,10 @@ def launch_command(config: Any, argv: Sequence[str]) -> tuple[list[str], dict[st
                     "--mixed_precision", mixed, "--dynamo_backend", "no"]
     if topology is not None:
         rank, host, port = topology
-        command += ["--num_machines", str(config.training.nodes), "--machine_rank", str(rank),
-                    "--main_process_ip", host, "--main_process_port", str(port), "--rdzv_backend", "c10d"]
+        if config.training.accelerate_config:
+            command += ["--num_machines", str(config.training.nodes)]
+        command += ["--machine_rank", str(rank), "--main_process_ip", host, "--main_process_port", str(port),
+                    "--rdzv_backend", "c10d"]
         env["AGENTRFT_NODE_RANK"] = str(rank)
     if not torch.cuda.is_available():
         if processes > 1:
