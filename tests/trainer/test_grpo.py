@@ -707,7 +707,38 @@ def start_nodes(config, taught_model: Path, tmp_path: Path, out: Path, *, stop_a
             stdout=log, stderr=subprocess.STDOUT)
         node.log = Path(log.name)  # a file, not a pipe: a full pipe would stall a node in a collective
         nodes.append(node)
+        if rank == 0:  # on loopback every node could host the store: node 0 does, as the head node would
+            _wait_for_port(int(endpoint.rsplit(":", 1)[1]), node)
+    _STARTED.extend(nodes)
     return nodes
+
+
+_STARTED: list[subprocess.Popen] = []
+
+
+def _wait_for_port(port: int, node: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert node.poll() is None, f"node 0 exited:\n{output(node)[-3000:]}"
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"node 0 did not open the rendezvous port:\n{output(node)[-3000:]}")
+
+
+@pytest.fixture(autouse=True)
+def _no_node_left_behind():
+    """Nodes a failed test leaves running are killed, launcher and processes: they hold ports."""
+    yield
+    while _STARTED:
+        node = _STARTED.pop()
+        if node.poll() is None:
+            import psutil
+
+            for process in [*psutil.Process(node.pid).children(recursive=True), psutil.Process(node.pid)]:
+                process.kill()
+            node.wait()
 
 
 def output(node: subprocess.Popen) -> str:
@@ -768,7 +799,7 @@ def test_two_nodes_on_loopback_train_as_one_node_of_two_processes_and_resume(two
 def test_a_node_that_dies_mid_step_is_named_and_the_last_checkpoint_stays(world, endpoints, taught_model,
                                                                          tmp_path):
     config = micro_config(world, endpoints, num_processes=2, nodes=2, distributed="ddp", checkpoint_interval=1,
-                          max_steps=3, collective_timeout_s=60)
+                          n_epochs=6, collective_timeout_s=60)  # steps enough that node 1 dies mid-run
     out = tmp_path / "run"
     nodes = start_nodes(config, taught_model, tmp_path, out)
     deadline = time.monotonic() + 300
@@ -776,7 +807,12 @@ def test_a_node_that_dies_mid_step_is_named_and_the_last_checkpoint_stays(world,
         assert time.monotonic() < deadline and all(node.poll() is None for node in nodes), "no step 1"
         time.sleep(0.2)
     time.sleep(1.0)  # into step 2
-    os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1, launcher and process, as a machine going away
+    # Node 1 as a machine going away: its launcher and its process (torchrun starts each
+    # process in a session of its own, so the launcher's group does not hold it).
+    import psutil
+
+    for process in [*psutil.Process(nodes[1].pid).children(recursive=True), psutil.Process(nodes[1].pid)]:
+        process.kill()
     nodes[0].wait(timeout=200)
     nodes[1].wait()
     text = output(nodes[0])
