@@ -202,6 +202,19 @@ def log_metrics(client: Any, run_id: str, metrics: dict[str, float], step: int =
                      timeout_s=300.0)
 
 
+@contextmanager
+def fluent_run(run_id: str) -> Iterator[Any]:
+    """MLflow's fluent run `run_id` (for the APIs that have no client form). The process's
+    active experiment is global and `start_run` refuses a run of another one, so it is set
+    to the run's first: a process that ran another experiment before (a scorer, an earlier
+    job) logs to this run all the same."""
+    import mlflow
+
+    mlflow.set_experiment(experiment_id=mlflow.get_run(run_id).info.experiment_id)
+    with mlflow.start_run(run_id=run_id) as run:
+        yield run
+
+
 def log_datasets(ctx: RunContext, run_id: str, files: dict[str, Path]) -> None:
     """Log data files as MLflow dataset inputs (context: train, validation, test) whose
     digest is the data version (DVC md5): the columns that are scalars, to keep it small."""
@@ -213,7 +226,7 @@ def log_datasets(ctx: RunContext, run_id: str, files: dict[str, Path]) -> None:
     from trainer.data import read_jsonl
 
     use_mlflow_store(ctx.tracking_uri)
-    with mlflow.start_run(run_id=run_id):
+    with fluent_run(run_id):
         for context, path in files.items():
             rows = read_jsonl(path)
             frame = pd.DataFrame([{k: v for k, v in row.items() if isinstance(v, str | int | float | bool)}
@@ -259,7 +272,7 @@ def link_split(ctx: RunContext, run_id: str, data: Any, split: str) -> None:
     import mlflow
 
     dataset = split_dataset(ctx, data, split)
-    with mlflow.start_run(run_id=run_id):
+    with fluent_run(run_id):
         mlflow.log_input(dataset, context=split)
 
 
@@ -320,7 +333,7 @@ def log_transformers_model(ctx: RunContext, run_id: str, model_dir: Path, name: 
     use_mlflow_store(ctx.tracking_uri)
 
     def log() -> Any:
-        with mlflow.start_run(run_id=run_id), _pipeline_classes_resolved():
+        with fluent_run(run_id), _pipeline_classes_resolved():
             return mlflow.transformers.log_model(
                 transformers_model=str(model_dir),
                 task="text-generation",

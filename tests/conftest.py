@@ -31,11 +31,14 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def demo_data_dir() -> Path:
     """The pinned demo data, generated on first use in a fresh clone."""
+    from filelock import FileLock
+
     from envs.finqa.generate import generate_dataset
 
     data_dir = REPO_ROOT / "data"
-    if not (data_dir / "train.jsonl").is_file():
-        generate_dataset(data_dir, seed=0)
+    with FileLock(str(REPO_ROOT / ".data.lock")):  # test workers (pytest -n) share one checkout
+        if not (data_dir / "train.jsonl").is_file():
+            generate_dataset(data_dir, seed=0)
     return data_dir
 
 
