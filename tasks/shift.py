@@ -41,11 +41,12 @@ def shift_evaluation(config: Any, name: str, model: str, *, variant: str | None 
 
     split = shift_split(config, name)
     chosen = None
-    if variant is not None:
+    if variant not in (None, "current"):  # "current": the config's own prompt, as the prompt stage names it
         chosen = next((v for v in config.prompt_optimization.variants if v.name == variant), None)
         if chosen is None:
             known = ", ".join(v.name for v in config.prompt_optimization.variants) or "none"
-            raise ConfigError(f"--variant {variant!r} is not among prompt_optimization.variants ({known})")
+            raise ConfigError(f"--variant {variant!r} is not among prompt_optimization.variants ({known}) "
+                              "nor `current` (the config's prompt)")
     p = config.promotion
     items = read_items(Path(split.file), p.max_items)
     rollout, tools = apply_variant(config.rollout, config.tools, chosen, items)

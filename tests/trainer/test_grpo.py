@@ -557,7 +557,6 @@ def test_a_sampler_process_that_dies_ends_the_run_with_its_exit_code(world, endp
     """The child that samples is killed (as the kernel's out-of-memory killer would): the
     next sampling raises an InfraError that names the process and its signal, not a hang
     and not rollouts scored 0."""
-    import signal
 
     from trainer.errors import InfraError
 
