@@ -103,14 +103,17 @@ def _console_handlers_on_live_streams() -> None:
 
     for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
         for handler in getattr(logger, "handlers", []):
-            if isinstance(handler, PrefectConsoleHandler) and getattr(handler.stream, "closed", False):
-                handler.stream = handler.console.file = sys.stderr
+            if not getattr(getattr(handler, "stream", None), "closed", False):
+                continue
+            handler.stream = sys.stderr  # DVC's handler too, set up by a `dvc` command run in a test
+            if isinstance(handler, PrefectConsoleHandler):
+                handler.console.file = sys.stderr
 
 
 @pytest.fixture(autouse=True)
 def _prefect_logs_outlive_capsys():
-    """Prefect binds its console log handler to the sys.stderr of the moment its logging
-    is (re)configured; configured inside a test that captures output (capsys), it would
+    """Prefect (and DVC) bind their console log handlers to the sys.stderr of the moment
+    their logging is (re)configured; configured inside a test that captures output (capsys), it would
     write to that test's closed stream afterwards (ValueError, then a recursion through
     log_prints). Each test starts and ends with the handlers on a live stream."""
     _console_handlers_on_live_streams()
