@@ -728,6 +728,16 @@ def _wait_for_port(port: int, node: subprocess.Popen, timeout: float = 120) -> N
     raise AssertionError(f"node 0 did not open the rendezvous port:\n{output(node)[-3000:]}")
 
 
+def _kill_node(node: subprocess.Popen) -> None:
+    """A node's launcher and its processes (torchrun starts each process in a session of its
+    own, so the launcher's process group does not hold them)."""
+    import psutil
+
+    for process in [*psutil.Process(node.pid).children(recursive=True), psutil.Process(node.pid)]:
+        process.kill()
+    node.wait()
+
+
 @pytest.fixture(autouse=True)
 def _no_node_left_behind():
     """Nodes a failed test leaves running are killed, launcher and processes: they hold ports."""
@@ -735,11 +745,7 @@ def _no_node_left_behind():
     while _STARTED:
         node = _STARTED.pop()
         if node.poll() is None:
-            import psutil
-
-            for process in [*psutil.Process(node.pid).children(recursive=True), psutil.Process(node.pid)]:
-                process.kill()
-            node.wait()
+            _kill_node(node)
 
 
 def output(node: subprocess.Popen) -> str:
@@ -808,14 +814,8 @@ def test_a_node_that_dies_mid_step_is_named_and_the_last_checkpoint_stays(world,
         assert time.monotonic() < deadline and all(node.poll() is None for node in nodes), "no step 1"
         time.sleep(0.2)
     time.sleep(1.0)  # into step 2
-    # Node 1 as a machine going away: its launcher and its process (torchrun starts each
-    # process in a session of its own, so the launcher's group does not hold it).
-    import psutil
-
-    for process in [*psutil.Process(nodes[1].pid).children(recursive=True), psutil.Process(nodes[1].pid)]:
-        process.kill()
+    _kill_node(nodes[1])  # as a machine going away
     nodes[0].wait(timeout=200)
-    nodes[1].wait()
     text = output(nodes[0])
     assert nodes[0].returncode != 0
     assert "node 1" in text and "stopped answering" in text and "step_1" in text, text[-3000:]
