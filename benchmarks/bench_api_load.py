@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import psutil
 
 from benchmarks.taught_world import REPO, taught_world
@@ -87,7 +88,7 @@ def _wait(check: Any, timeout: float, what: str, process: subprocess.Popen | Non
             raise RuntimeError(f"{what}: the server exited with {process.returncode}")
         try:
             value = check()
-        except httpx.HTTPError:
+        except (httpx.HTTPError, openai.APIConnectionError):  # not answering yet
             value = None
         if value:
             return value
@@ -147,13 +148,13 @@ def upload_memory(tmp: Path, megabytes: int) -> dict[str, Any]:
 
 
 def start_api(config_file: Path, port: int, prefect_url: str, env: dict[str, str]) -> subprocess.Popen:
+    log = (config_file.parent / "api.log").open("a")  # its tail is printed when a step fails
     return subprocess.Popen([sys.executable, "-m", "flows.cli", "api", "--config", str(config_file), "--port", str(port),
                              "--api-key", KEY], cwd=REPO, env={**env, "PREFECT_API_URL": prefect_url},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=log, stderr=subprocess.STDOUT)
 
 
 def jobs_polling_restart(tmp: Path) -> dict[str, Any]:
-    import openai
     import yaml
 
     from benchmarks.bench_pipeline import pipeline_world
@@ -302,7 +303,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_api_") as tmp_dir:
         tmp = Path(tmp_dir)
-        result = {"upload": upload_memory(tmp, args.upload_mb), "chat": chat_burst(tmp), **jobs_polling_restart(tmp)}
+        try:
+            result = {"upload": upload_memory(tmp, args.upload_mb), "chat": chat_burst(tmp),
+                      **jobs_polling_restart(tmp)}
+        except Exception:
+            log = tmp / "api.log"
+            if log.is_file():
+                print("the API server's log, last lines:\n" + "\n".join(log.read_text().splitlines()[-60:]),
+                      file=sys.stderr)
+            raise
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -16,7 +16,7 @@ import subprocess
 import time
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -51,11 +51,38 @@ def git_commit() -> str:
 
 def resolve_tracking_uri(uri: str) -> str:
     """`sqlite:///relative.db` made absolute, so subprocesses and later runs in other
-    directories use the same store (and the same cache keys)."""
+    directories use the same store (and the same cache keys); a SQLite store is put in WAL
+    mode on first use (`write_ahead_log`)."""
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + str(Path(uri[len(prefix):]).resolve())
+        uri = prefix + str(Path(uri[len(prefix):]).resolve())
+    if uri.startswith(prefix):
+        write_ahead_log(Path(uri[len(prefix):]))
     return uri
+
+
+_WAL_DONE: set[Path] = set()
+
+
+def write_ahead_log(db: Path) -> None:
+    """SQLite's write-ahead log on the MLflow store, once per file and process.
+
+    MLflow opens SQLite in its default rollback-journal mode, where every reader holds a lock
+    that a writer must wait out: the API's polling clients and a training run's metrics then
+    take turns, and under load a training stage failed with "database is locked" after
+    MLflow's 20 s wait (benchmarks/bench_api_load.py, 100 polls beside a training job). In WAL
+    mode readers never block the writer. The mode is kept in the file, so one switch serves
+    every later process; a store another process holds busy is left as it is this time."""
+    if db in _WAL_DONE or not db.parent.is_dir():
+        return
+    import sqlite3
+
+    try:
+        with closing(sqlite3.connect(db, timeout=5)) as connection:
+            connection.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.OperationalError:
+        return
+    _WAL_DONE.add(db)
 
 
 def mlflow_client(uri: str) -> Any:

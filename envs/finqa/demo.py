@@ -63,7 +63,8 @@ def corpus_for(split_file: str | Path) -> Path:
 @contextmanager
 def tool_server(config: Any, corpus_dir: Path, *, api_key: str | None = None) -> Iterator[str]:
     """The FinQA tool server on the loopback port the config's endpoints name."""
-    from envs.finqa.server import create_app, serve_in_thread
+    from envs.finqa.server import create_app
+    from envs.tool_server import serve_in_thread
 
     urls = {urlparse(e.server_url) for e in config.tools.endpoints}
     ports = {(u.hostname, u.port) for u in urls}

@@ -17,8 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from envs.finqa.faults import FaultConfig
-from envs.finqa.server import create_app, serve_in_thread
+from envs.finqa.server import create_app
 from envs.finqa.tool_schemas import TOOL_NAMES
+from envs.tool_server import serve_in_thread
 from trainer.config.tools import ToolEndpoint
 
 

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from flows.openai_api.coalesce import Coalesced, digest
 from flows.openai_api.errors import ApiError
 from flows.openai_api.files import FileStore
 from flows.openai_api.jobs import (
@@ -115,6 +116,7 @@ class FineTuningApi:
         self.jobs = JobStore(work_dir / "jobs")
         self.validating = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validating-files")
         self.models: dict[str, Any] = {}
+        self._reads = Coalesced(ttl_s=1.0)  # a job's view and events, polled by many clients at once
 
     # jobs
 
@@ -209,7 +211,11 @@ class FineTuningApi:
             self.jobs.save(record)
 
     def view(self, record: dict[str, Any]) -> dict[str, Any]:
-        """OpenAI's job object, its status read from Prefect (and its model from MLflow)."""
+        """OpenAI's job object, its status read from Prefect (and its model from MLflow); reads
+        of the same record at once share one (coalesce.py)."""
+        return self._reads.get(("view", record["id"], digest(record)), lambda: self._view(record))
+
+    def _view(self, record: dict[str, Any]) -> dict[str, Any]:
         runs = flow_runs(record["flow_run_ids"][-1:])
         status, run = job_status(record, runs)
         error = record["error"]
@@ -305,8 +311,12 @@ class FineTuningApi:
                        param="id", code="invalid_state")
 
     def events(self, job_id: str) -> list[dict[str, Any]]:
-        """The job's events, newest first."""
+        """The job's events, newest first; reads of the same record at once share one."""
         record = self.jobs.get(job_id)
+        return self._reads.get(("events", job_id, digest(record)), lambda: self._events(record))
+
+    def _events(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        job_id = record["id"]
         events = list(record["events"])
         if record["flow_run_ids"]:
             for log in flow_run_logs(record["flow_run_ids"]):

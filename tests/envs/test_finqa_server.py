@@ -27,7 +27,8 @@ from envs.finqa.search import (
     encode,
     table_keys,
 )
-from envs.finqa.server import TraceStore, create_app, serve_in_thread
+from envs.finqa.server import create_app
+from envs.tool_server import TraceStore, serve_in_thread
 
 pytestmark = pytest.mark.integration
 

@@ -40,7 +40,7 @@ def _app(tmp_path: Path, **api: object):
 
 @pytest.fixture()
 def served(tmp_path):
-    from envs.finqa.server import serve_in_thread
+    from envs.tool_server import serve_in_thread
 
     def serve(**api: object):
         return serve_in_thread(_app(tmp_path, **api))
@@ -314,7 +314,7 @@ def test_chat_completions_past_the_queue_get_429(tmp_path):
     the engine holds are answered, the rest get 429 with Retry-After; none is lost."""
     import asyncio
 
-    from envs.finqa.server import serve_in_thread
+    from envs.tool_server import serve_in_thread
     from trainer.generation.policy import load_policy
     from trainer.serving.model_server import create_model_app
 

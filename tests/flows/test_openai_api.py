@@ -32,7 +32,7 @@ MODEL = str(REPO / "envs" / "finqa" / "model")  # a model folder: a job's model 
 
 @pytest.fixture()
 def api_client(tmp_path):
-    from envs.finqa.server import serve_in_thread
+    from envs.tool_server import serve_in_thread
     from flows.openai_api.app import create_api_app
     from trainer.config.loading import config_from_dict
 

@@ -24,10 +24,11 @@ import typer.main
 from fastapi import FastAPI
 
 from envs.finqa import server as tool_server_module
-from envs.finqa.server import create_app, serve_in_thread
+from envs.finqa.server import create_app
 from envs.finqa.tiny_model import build_model, tiny_config
 from envs.finqa.tokenizer import build_tokenizer
 from envs.finqa.tool_schemas import TOOL_NAMES, TOOL_SCHEMAS
+from envs.tool_server import serve_in_thread
 from flows.cli import app as cli
 from tests.taught_model import copy_items
 from trainer.api_key import resolve_api_key

@@ -27,8 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from envs.finqa.local import local_tool_endpoints
-from envs.finqa.server import serve_in_thread
 from envs.finqa.tool_schemas import TOOL_SCHEMAS
+from envs.tool_server import serve_in_thread
 from tests.taught_model import copy_items
 from trainer.config.tools import ToolEndpoint
 from trainer.data import read_items

@@ -39,8 +39,9 @@ from prefect.cache_policies import INPUTS
 
 from envs.finqa.faults import FaultConfig
 from envs.finqa.search import SearchIndex
-from envs.finqa.server import create_app, serve_in_thread
+from envs.finqa.server import create_app
 from envs.finqa.tool_schemas import TOOL_NAMES, TOOL_SCHEMAS
+from envs.tool_server import serve_in_thread
 from tasks.tracking import flat_params
 from trainer.config.loading import config_from_dict, merge_overrides
 from trainer.config.tools import ToolEndpoint

@@ -256,7 +256,7 @@ def test_a_turn_cut_mid_call_is_length_and_keeps_its_text(family, taught, world,
 def test_two_grpo_steps_then_the_registry_then_serve_model(family, taught, world, endpoints, tmp_path):
     import openai
 
-    from envs.finqa.server import serve_in_thread
+    from envs.tool_server import serve_in_thread
     from tasks.promote import register_candidate
     from tasks.tracking import RunContext, log_transformers_model
     from trainer.generation.policy import load_registered_policy

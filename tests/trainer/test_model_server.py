@@ -9,8 +9,8 @@ import json
 import openai
 import pytest
 
-from envs.finqa.server import serve_in_thread
 from envs.finqa.tool_schemas import TOOL_SCHEMAS
+from envs.tool_server import serve_in_thread
 from tests.taught_model import fit_tiny_model
 from trainer.generation.policy import Policy
 from trainer.graders import grade
