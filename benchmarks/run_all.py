@@ -87,6 +87,9 @@ BENCHMARKS: dict[str, tuple[str, list[str], int, int]] = {
     "api_load": ("bench_api_load", [], 2400, 1),
     # a full weight sync to a vLLM server, from the trainer's folder and over HTTP
     "weight_sync": ("bench_weight_sync", ["--repeats", "3"], 900, 1),
+    # the same at the real model's size (SmolLM2-135M-Instruct, envs/units), full weights and a
+    # rank-16 LoRA adapter
+    "weight_sync_real": ("bench_weight_sync", ["--repeats", "3", "--model", "smollm2", "--lora", "16"], 1800, 1),
 }
 # Run only when named in --only (`make bench-data`); a full run keeps their rows from the
 # existing file, with the partial run that made them.
@@ -376,10 +379,18 @@ def api_load_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def weight_sync_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     r = results[0]
-    return [row(f"full weight sync to a vLLM server, over HTTP / from the trainer's folder "
+    rows = [row(f"full weight sync to a vLLM server, over HTTP / from the trainer's folder "
                 f"({r['parameters'] / 1e6:.1f}M parameters, {r['megabytes']:.0f} MB)", round(r["http_over_path"], 2),
                 "report", None, f"medians of {len(r['seconds']['http'])}: {r['http_s']:.2f} vs {r['path_s']:.2f} s "
                 f"(write, RPC, load, prefix-cache reset); one CPU server on loopback, {Path(r['model']).name}")]
+    if "lora_rank" in r:
+        rows.append(row(f"LoRA adapter sync (rank {r['lora_rank']}, {r['lora_megabytes']:.1f} MB) / full weight sync "
+                        f"from the trainer's folder ({r['parameters'] / 1e6:.1f}M parameters)",
+                        round(r["lora_path_s"] / r["path_s"], 3), "report", None,
+                        f"medians of {len(r['seconds']['lora_path'])}: adapter {r['lora_path_s']:.2f} s from the "
+                        f"folder, {r['lora_http_s']:.2f} s over HTTP; full weights {r['path_s']:.2f} s from the folder, "
+                        f"{r['http_s']:.2f} s over HTTP (save, load, unload)"))
+    return rows
 
 
 def staleness_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -430,6 +441,8 @@ ROWS: dict[str, tuple[Callable[[list[dict[str, Any]]], list[dict[str, Any]]], li
     "staleness_vllm": (staleness_rows, ["steps/s and score, max_staleness 1 / 0, vLLM"]),
     "data_scaling": (data_scaling_rows, ["validation gain by distinct training items"]),
     "weight_sync": (weight_sync_rows, ["full weight sync over HTTP / from the trainer's folder"]),
+    "weight_sync_real": (weight_sync_rows, ["full weight sync over HTTP / from the trainer's folder (SmolLM2)",
+                                            "LoRA adapter sync / full weight sync (SmolLM2)"]),
     "api_load": (api_load_rows, ["agentrft api: upload memory, 20 jobs at once, polling p95, chat burst, "
                                  "kill -9 and restart"]),
 }
@@ -488,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets whole lines
     names = args.only or [name for name in BENCHMARKS if name not in OPT_IN]
-    for name in [n for n in ("vllm", "staleness_vllm", "weight_sync") if n in names]:
+    for name in [n for n in ("vllm", "staleness_vllm", "weight_sync", "weight_sync_real") if n in names]:
         if not VLLM_PYTHON.is_file():
             console.print(f"skipping {name}: {VLLM_PYTHON} is missing (make vllm)")
             names.remove(name)
