@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 VLLM_VENV := .venv-vllm
 
-.PHONY: install test demo bench bench-data lint clean vllm
+.PHONY: install test demo demo-real bench bench-data lint clean vllm
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -37,6 +37,10 @@ test: $(STAMP) $(VLLM_VENV)/.installed
 
 demo: $(STAMP)
 	$(BIN)/agentrft demo
+
+# A real pretrained model (SmolLM2-135M-Instruct from the package index) on the units environment.
+demo-real: $(STAMP)
+	$(BIN)/agentrft demo-real
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev,bench]'

@@ -3,7 +3,9 @@
 An entry point like `agentrft run`: it checks the demo's data against its DVC pin and its
 model against its pin, serves the environment's tools on loopback (envs/finqa/demo.py),
 runs the pipeline flow on the demo's config and hands back the outcome with its wall time.
-`agentrft demo-shift` runs a shift evaluation of the demo the same way.
+`agentrft demo-shift` runs a shift evaluation of the demo the same way, and `agentrft
+demo-real` (`make demo-real`) the real-model recipe: SmolLM2-135M-Instruct imported from the
+package index, on the units environment (envs/units/).
 """
 
 from __future__ import annotations
@@ -63,3 +65,22 @@ def run_demo_shift(config: Any, name: str, model: str, *, variant: str | None = 
     with tool_server(config, corpus) as base_url:
         log(f"FinQA tool server: {base_url} on {corpus}")
         return shift_evaluation(config, name, model, variant=variant, log=log)
+
+
+def run_real_demo(config: Any, refresh: list[str], *, stop_after: str | None = None, log: Any = print
+                  ) -> dict[str, Any]:
+    """Import the model, check the data, serve the units tools, run the pipeline."""
+    from envs.units.demo import ensure_data as ensure_units_data
+    from envs.units.demo import ensure_model
+    from envs.units.demo import tool_server as units_tool_server
+    from flows.pipeline import agent_rft_pipeline, outcome_of, pipeline_parameters
+
+    started = time.perf_counter()
+    ensure_model(config, log=log)
+    ensure_units_data(config, log=log)
+    with units_tool_server(config) as base_url:
+        log(f"units tool server: {base_url}")
+        state = agent_rft_pipeline(**pipeline_parameters(config, refresh, stop_after), return_state=True)
+    outcome = outcome_of(state)
+    outcome["wall_s"] = time.perf_counter() - started
+    return outcome

@@ -59,7 +59,7 @@ def data_import_finqa(json_file: Annotated[Path, typer.Argument(help="FinQA JSON
 
 
 @env_app.command("serve")
-def env_serve(name: Annotated[str, typer.Argument(help="The environment: finqa.")] = "finqa",
+def env_serve(name: Annotated[str, typer.Argument(help="The environment: finqa or units.")] = "finqa",
               corpus: Path = Path("data/corpus"), host: str = "127.0.0.1", port: int = 8765,
               api_key: Annotated[str | None, typer.Option(help="Require this key (or ${VAR}).")] = None,
               error_rate: Annotated[float, typer.Option(help="Share of 5xx answers.")] = 0.0,
@@ -68,10 +68,16 @@ def env_serve(name: Annotated[str, typer.Argument(help="The environment: finqa."
               latency_ms: Annotated[float, typer.Option(help="Added latency per call.")] = 0.0) -> None:
     """Serve an environment's tools (and its endpoint grader) over HTTP."""
     from envs.finqa.faults import FaultConfig
-    from envs.finqa.server import serve as serve_tools
     from trainer.api_key import resolve_api_key
 
-    if name != "finqa":
-        raise AgentRFTError(f"unknown environment {name!r}; the project ships `finqa`")
     faults = FaultConfig(error_rate=error_rate, timeout_rate=timeout_rate, drop_rate=drop_rate, latency_ms=latency_ms)
-    serve_tools(corpus, host=host, port=port, faults=faults, api_key=resolve_api_key(api_key))
+    if name == "finqa":
+        from envs.finqa.server import serve as serve_tools
+
+        serve_tools(corpus, host=host, port=port, faults=faults, api_key=resolve_api_key(api_key))
+    elif name == "units":  # no corpus: a units table and a calculator
+        from envs.units.server import serve as serve_units
+
+        serve_units(host=host, port=port, faults=faults, api_key=resolve_api_key(api_key))
+    else:
+        raise AgentRFTError(f"unknown environment {name!r}; the project ships `finqa` and `units`")

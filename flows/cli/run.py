@@ -121,6 +121,19 @@ def demo(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None, refre
     print(f"demo wall time: {outcome['wall_s']:.0f} s")
 
 
+@app.command(name="demo-real")
+def demo_real(config: ConfigOption = Path("envs/units/smollm2.yaml"), set_: SetOption = None,
+              refresh: RefreshOption = None, stop_after: StopAfterOption = None) -> None:
+    """The real-model recipe (what `make demo-real` runs): SmolLM2-135M-Instruct imported from the
+    package index, trained with its tools on the units environment, evaluated, promoted."""
+    from flows.demo import run_real_demo
+
+    pipeline_config = _config(config, set_)
+    outcome = run_real_demo(pipeline_config, refresh or [], stop_after=stop_after)
+    print_outcome(outcome, pipeline_config)
+    print(f"demo-real wall time: {outcome['wall_s']:.0f} s")
+
+
 def print_shift(result: dict[str, Any]) -> None:
     from rich.console import Console
 
