@@ -8,6 +8,9 @@ local directories, hub ids or `models:/` URIs of the MLflow registry.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import json
 from typing import Any
 
@@ -75,11 +78,24 @@ def evaluate_model(
         else:
             backend = policy.backend(max_slots=rollout.max_concurrent_rollouts, max_len=rollout.max_total_tokens,
                                      seed=seed)
-        return run_evaluation(
+        result = run_evaluation(
             backend, policy.chat, items, k=k, tool_client=ToolClient.from_config(tools, seed=seed),
             grader=grader, settings=RolloutSettings.from_config(rollout, penalties), tools=tools.schemas,
             max_concurrent=rollout.max_concurrent_rollouts, prefix=prefix, group_by=group_by, log=log,
         )
+    del backend, policy
+    release_memory()
+    return result
+
+
+def release_memory() -> None:
+    """Give back what an evaluation's engine held. Its model, KV cache and batches sit in
+    reference cycles until a collection, and glibc keeps what was freed until it is trimmed:
+    after 64 rollouts of SmolLM2-135M the pipeline's process held 3.4-4.5 GB, 0.49 GB after
+    both (the real-model run kept 9.3 GB through its training stage, beside the trainer)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def sample_rollouts(records: list[RolloutRecord], n: int = 20) -> list[RolloutRecord]:
