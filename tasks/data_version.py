@@ -83,6 +83,24 @@ def check_pinned(dvc_file: str | Path) -> str:
         return str(out.hash_info.value).removesuffix(".dir")
 
 
+def ensure_pinned(dvc_file: str | Path, data_dir: Path, generate: Any, *, seed: int, source: str,
+                  log: Any = print) -> str:
+    """An environment's generated data in place and exactly what `dvc_file` pins; returns the
+    md5. Missing or different data is written by `generate(data_dir, seed=seed)` and checked
+    again; data that still differs means the generator (`source`) no longer reproduces the pin."""
+    try:
+        return check_pinned(dvc_file)
+    except DataError as first:
+        log(f"regenerating {data_dir} from seed {seed} ({first})")
+    generate(data_dir, seed=seed)
+    try:
+        return check_pinned(dvc_file)
+    except DataError as exc:
+        raise DataError(f"the regenerated data does not match {dvc_file}: {exc}; the generator no longer "
+                        f"reproduces the pinned data: restore {source}, or pin the new data with `dvc add "
+                        f"{data_dir}` and commit {dvc_file}") from None
+
+
 def add(data_dir: str | Path) -> Path:
     """`dvc add data_dir` (through DVC's API); returns the .dvc file it wrote."""
     from dvc.repo import Repo

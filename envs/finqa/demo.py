@@ -31,21 +31,10 @@ DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"
 def ensure_data(config: Any, *, seed: int = 0, log: Any = print) -> str:
     """The demo data in place and exactly what `data.dvc` pins; returns the md5."""
     from envs.finqa.generate import generate_dataset
-    from tasks.data_version import check_pinned
-    from trainer.errors import DataError
+    from tasks.data_version import ensure_pinned
 
-    data_dir = Path(config.data.train_file).parent
-    try:
-        return check_pinned(config.data.dvc_file)
-    except DataError as first:
-        log(f"regenerating {data_dir} from seed {seed} ({first})")
-    generate_dataset(data_dir, seed=seed)
-    try:
-        return check_pinned(config.data.dvc_file)
-    except DataError as exc:
-        raise DataError(f"the regenerated data does not match {config.data.dvc_file}: {exc}; the generator no "
-                        f"longer reproduces the pinned data: restore the generator, or pin the new data with "
-                        f"`dvc add {data_dir}` and commit {config.data.dvc_file}") from None
+    return ensure_pinned(config.data.dvc_file, Path(config.data.train_file).parent, generate_dataset, seed=seed,
+                         source="envs/finqa/generate.py", log=log)
 
 
 def corpus_for(split_file: str | Path) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from trainer.errors import AgentRFTError, ConfigError, DataError
+from trainer.errors import AgentRFTError, ConfigError
 
 HERE = Path(__file__).resolve().parent
 REAL_CONFIG = HERE / "smollm2.yaml"
@@ -45,20 +45,10 @@ def ensure_model(config: Any, *, log: Any = print) -> Path:
 def ensure_data(config: Any, *, seed: int = 0, log: Any = print) -> str:
     """The data in place and exactly what the config's DVC file pins; returns the md5."""
     from envs.units.generate import generate_dataset
-    from tasks.data_version import check_pinned
+    from tasks.data_version import ensure_pinned
 
-    data_dir = Path(config.data.train_file).parent
-    try:
-        return check_pinned(config.data.dvc_file)
-    except DataError as first:
-        log(f"writing {data_dir} from seed {seed} ({first})")
-    generate_dataset(data_dir, seed=seed)
-    try:
-        return check_pinned(config.data.dvc_file)
-    except DataError as exc:
-        raise DataError(f"the written data does not match {config.data.dvc_file}: {exc}; the generator no longer "
-                        f"reproduces the pinned data: restore envs/units/generate.py, or pin the new data with "
-                        f"`dvc add {data_dir}` and commit {config.data.dvc_file}") from None
+    return ensure_pinned(config.data.dvc_file, Path(config.data.train_file).parent, generate_dataset, seed=seed,
+                         source="envs/units/generate.py", log=log)
 
 
 @contextmanager
