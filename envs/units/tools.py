@@ -136,7 +136,6 @@ TOOL_SCHEMAS: list[dict] = [
             "query": {"type": "string", "minLength": 1, "maxLength": 200}},
             "required": ["query"], "additionalProperties": False}}},
 ]
-TOOL_NAMES = tuple(tool["function"]["name"] for tool in TOOL_SCHEMAS)
 
 
 class UnitTools:

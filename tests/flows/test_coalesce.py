@@ -5,8 +5,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from flows.openai_api.coalesce import Coalesced, digest
 
 
@@ -66,9 +64,8 @@ def test_a_record_digest_follows_its_content():
     assert digest(record) != digest({**record, "events": [{"message": "cancel requested"}]})
 
 
-@pytest.mark.parametrize("ttl", [0.0])
-def test_with_no_ttl_only_reads_in_flight_are_shared(ttl):
-    reads = Coalesced(ttl_s=ttl)
+def test_with_no_ttl_only_reads_in_flight_are_shared():
+    reads = Coalesced(ttl_s=0.0)
     assert reads.get("k", lambda: 1) == 1
     time.sleep(0.01)
     assert reads.get("k", lambda: 2) == 2
