@@ -80,7 +80,7 @@ def test_infrastructure_failures_are_retried_counted_and_never_scored(world, fau
 
 
 def _comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not (k.startswith("timing/") or "latency" in k or k.endswith("_per_s"))}
+    return {k: v for k, v in row.items() if not (k.startswith(("timing/", "memory/")) or "latency" in k or k.endswith("_per_s"))}
 
 
 def _train_command(config_file: Path, model: Path, out: Path, run_id: str, *extra: str) -> list[str]:

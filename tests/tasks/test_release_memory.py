@@ -1,11 +1,12 @@
-"""An evaluation's engine is given back when it ends (tasks/rollout_eval.py `release_memory`)."""
+"""What an engine held is given back when an evaluation or a training step ends (trainer/memory.py
+`release_memory`)."""
 
 from __future__ import annotations
 
 import psutil
 import torch
 
-from tasks.rollout_eval import release_memory
+from trainer.memory import release_memory
 
 
 class _Engine:

@@ -46,7 +46,7 @@ NAMED_METRICS = [
     "train/tokens_mean", "train/latency_s_mean", "train/infra_error_rate", "train/kl", "train/loss",
     "train/grad_norm", "train/rollouts_per_s", "train/tokens_per_s", "train/grader_errors",
     "train/zero_variance_group_share", "train/lr", "timing/sampling_s", "timing/training_s",
-    "timing/eval_s", "timing/step_s",
+    "timing/eval_s", "timing/step_s", "memory/rss_gib", "memory/peak_rss_gib",
 ]
 # One optimizer update per pass (micro-batches cover the batch), so 1 and 2 processes
 # partition the work identically and must end with the same weights.
@@ -112,8 +112,8 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _comparable(row: dict) -> dict:
-    """Metrics that do not depend on wall time."""
-    return {k: v for k, v in row.items() if not (k.startswith("timing/") or "latency" in k or k.endswith("_per_s"))}
+    """Metrics that do not depend on wall time or the process's memory."""
+    return {k: v for k, v in row.items() if not (k.startswith(("timing/", "memory/")) or "latency" in k or k.endswith("_per_s"))}
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,7 @@ from trainer.config.tools import ToolEndpoint
 from trainer.config.training import resolved_hyperparameters
 from trainer.errors import ConfigError, InfraError
 from trainer.generation.policy import load_config_policy, local_model_path
+from trainer.memory import peak_rss_gib, release_memory, rss_gib
 from trainer.progress import Progress
 from trainer.rl.batches import (
     Sample,
@@ -258,6 +259,11 @@ class GRPOTrainer:
                     due = bool(self.eval_items) and (step % self.hp["eval_interval"] == 0 or step == self.total_steps)
                     metrics.update(evaluate(self, step) if due else {"timing/eval_s": 0.0})
                     metrics["timing/step_s"] = time.perf_counter() - started
+                    # the step's engine, batches and heap given back: without it the real-model
+                    # recipe's trainer grew to 23 GB by step 15 and was OOM-killed (docs/real-model.md)
+                    del sample
+                    release_memory()
+                    metrics["memory/rss_gib"], metrics["memory/peak_rss_gib"] = rss_gib(), peak_rss_gib()
                     self.step = step
                     self._log(step, metrics)
                     if step % training.checkpoint_interval == 0 or step == last:
