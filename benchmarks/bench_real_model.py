@@ -12,7 +12,9 @@ template, tools and sampling settings), side by side in one run.
     RSS is a process-wide high-water mark): one group of `--rollouts` rollouts shaped as (1)
     measured them (median length, median first generated position), the recipe's micro-batch,
     `--update-repeats` timed updates after one warm-up; seconds per update, resident memory
-    before the first update and its peak, parameters trained.
+    before the first update and its peak, parameters trained. Memory is given back before each
+    update (trainer/memory.py `release_memory`, untimed), as the trainer does between steps; a
+    third arm, LoRA with the heap kept, shows what that costs the update.
 (3) The FLOP rate of those updates over this machine's float32 matmul peak (the best 2048^3
     matmul at the same thread count, measured before and after in the same process). FLOPs
     counted: every linear layer's forward (2 per weight per position; the LM head only over
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ from benchmarks.taught_world import REPO
 
 CPU_SERVER_ARGS = ["--dtype", "float32", "--enforce-eager"]
 PEAK_N = 2048
+UPDATE_VARIANTS = ["lora", "full", "lora-kept"]
 
 
 def recipe(model: Path, url: str, out: Path, *, backend: str = "transformers", lora: bool = True,
@@ -120,11 +124,15 @@ def update_variant(args) -> dict[str, Any]:
     """(2) and (3) for `args.update_variant`, in this (fresh) process."""
     import torch
 
-    from benchmarks.bench_training import matmul_peak, peak_rss_mib, rss_mib, time_update
+    from benchmarks.bench_training import matmul_peak, peak_rss_mib, rss_mib
     from benchmarks.bench_training import synthetic_rollouts as shaped_rollouts
+    from trainer.memory import release_memory
     from trainer.rl.grpo import GRPOTrainer
 
-    lora = args.update_variant == "lora"
+    lora = args.update_variant != "full"
+    # as the trainer does between steps (trainer/memory.py), outside the timed update;
+    # "lora-kept" leaves the heap as it is, to show what giving memory back costs the update
+    release = args.update_variant != "lora-kept"
     device = torch.device("cpu")
     peak_before = matmul_peak(device, torch.float32, PEAK_N, 3)
     with tempfile.TemporaryDirectory(prefix="bench_real_update_") as tmp:
@@ -139,14 +147,21 @@ def update_variant(args) -> dict[str, Any]:
             vocab = model.config.vocab_size
             records, advantages = shaped_rollouts(trainer, args.rollouts, args.seq_len, args.first_generated, vocab)
             rss_before = rss_mib()
-            times = time_update(trainer, records, advantages, args.update_repeats)
+            times = []
+            for step in range(args.update_repeats + 1):  # the first warms up
+                if release:
+                    release_memory()
+                started = time.perf_counter()
+                trainer.updater.update(records, advantages, step + 1)
+                times.append(time.perf_counter() - started)
+            times = times[1:]
             model_config = model.config
         finally:
             trainer.cleanup()
     peak = max(peak_before, matmul_peak(device, torch.float32, PEAK_N, 3))
     flops = update_flops(counts, model_config, args.rollouts, args.seq_len, args.seq_len - args.first_generated + 1,
                          lora)
-    return {"variant": args.update_variant, "threads": torch.get_num_threads(), "trained_parameters": trained,
+    return {"variant": args.update_variant, "release_memory": release, "threads": torch.get_num_threads(), "trained_parameters": trained,
             "linear_weights": counts, "rollouts": args.rollouts, "seq_len": args.seq_len,
             "first_generated": args.first_generated, "micro_batch_size": config.training.micro_batch_size,
             "update_s": [round(t, 2) for t in times], "update_s_median": statistics.median(times),
@@ -165,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--backends", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"])
     parser.add_argument("--json", type=Path, default=None)
     # one variant of (2), in a process of its own (run by main)
-    parser.add_argument("--update-variant", choices=["lora", "full"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--update-variant", choices=UPDATE_VARIANTS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--first-generated", type=int, default=None, help=argparse.SUPPRESS)
@@ -189,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results[backend] = rollouts(model, url, Path(tmp) / backend, backend, args)
             print(f"{backend}: {json.dumps(results[backend])}", flush=True)
         shape = results[args.backends[0]]
-        for variant in ("lora", "full"):
+        for variant in UPDATE_VARIANTS:
             out = Path(tmp) / f"update_{variant}.json"
             subprocess.run([sys.executable, "-m", "benchmarks.bench_real_model", "--update-variant", variant,
                             "--model", str(model), "--seq-len", str(shape["seq_len"]),
@@ -218,6 +233,10 @@ def report(r: dict[str, Any]) -> None:
     for key, label, scale in (("update_s_median", "seconds", 1), ("peak_rss_mib", "peak resident MiB", 1),
                               ("trained_parameters", "trained parameters (M)", 1e-6)):
         print(f"{label:26}{lora[key] * scale:>10.1f}{full[key] * scale:>10.1f}{full[key] / lora[key]:>11.2f}")
+    kept = r.get("update_lora-kept")
+    if kept:
+        print(f"LoRA update with memory given back before it / without: {lora['update_s_median']:.1f} / "
+              f"{kept['update_s_median']:.1f} s ({lora['update_s_median'] / kept['update_s_median']:.2f}x)")
     for v in (lora, full):
         print(f"{v['variant']}: FLOP rate / matmul peak {statistics.median(v['flops_over_peak']):.1%} "
               f"({v['update_flops'] / v['update_s_median'] / 1e9:.0f} of {v['matmul_peak_flops_per_s'] / 1e9:.0f} GFLOP/s)")
