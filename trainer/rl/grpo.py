@@ -262,7 +262,9 @@ class GRPOTrainer:
                     # the step's engine, batches and heap given back: without it the real-model
                     # recipe's trainer grew to 23 GB by step 15 and was OOM-killed (docs/real-model.md)
                     del sample
+                    released = time.perf_counter()
                     release_memory()
+                    metrics["timing/release_s"] = time.perf_counter() - released
                     metrics["memory/rss_gib"], metrics["memory/peak_rss_gib"] = rss_gib(), peak_rss_gib()
                     self.step = step
                     self._log(step, metrics)
