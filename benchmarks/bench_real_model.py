@@ -12,7 +12,8 @@ template, tools and sampling settings), side by side in one run.
     RSS is a process-wide high-water mark): one group of `--rollouts` rollouts shaped as (1)
     measured them (median length, median first generated position), the recipe's micro-batch,
     `--update-repeats` timed updates after one warm-up; seconds per update, resident memory
-    before the first update and its peak, parameters trained. Memory is given back before each
+    before the first update and its peak through the updates (the high-water mark is reset
+    after the setup, whose own peak is not the update's), parameters trained. Memory is given back before each
     update (trainer/memory.py `release_memory`, untimed), as the trainer does between steps; a
     third arm, LoRA with the heap kept, shows what that costs the update.
 (3) The FLOP rate of those updates over this machine's float32 matmul peak (the best 2048^3
@@ -120,6 +121,17 @@ def update_flops(counts: dict[str, int], model_config: Any, rows: int, seq_len: 
     return rows * (dense + attention)
 
 
+def reset_peak() -> None:
+    """Reset this process's resident high-water mark (Linux: VmHWM, through clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_since_reset_mib() -> float:
+    """The resident high-water mark since `reset_peak`, MiB."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
+
+
 def update_variant(args) -> dict[str, Any]:
     """(2) and (3) for `args.update_variant`, in this (fresh) process."""
     import torch
@@ -147,6 +159,7 @@ def update_variant(args) -> dict[str, Any]:
             vocab = model.config.vocab_size
             records, advantages = shaped_rollouts(trainer, args.rollouts, args.seq_len, args.first_generated, vocab)
             rss_before = rss_mib()
+            reset_peak()  # the setup's own peak (model copies, the format's self-check) is not the update's
             times = []
             for step in range(args.update_repeats + 1):  # the first warms up
                 if release:
@@ -165,7 +178,8 @@ def update_variant(args) -> dict[str, Any]:
             "linear_weights": counts, "rollouts": args.rollouts, "seq_len": args.seq_len,
             "first_generated": args.first_generated, "micro_batch_size": config.training.micro_batch_size,
             "update_s": [round(t, 2) for t in times], "update_s_median": statistics.median(times),
-            "rss_before_update_mib": round(rss_before), "peak_rss_mib": round(peak_rss_mib()),
+            "rss_before_update_mib": round(rss_before), "peak_rss_mib": round(peak_since_reset_mib()),
+            "process_peak_rss_mib": round(peak_rss_mib()),
             "update_flops": flops, "matmul_peak_flops_per_s": peak,
             "flops_over_peak": [flops / t / peak for t in times]}
 

@@ -420,8 +420,8 @@ def real_model_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             f"{shape}; trained parameters {full['trained_parameters'] / 1e6:.1f}M vs {lora['trained_parameters'] / 1e6:.1f}M"),
         row("SmolLM2-135M update peak resident memory, full fine-tuning / LoRA r16 (MiB)",
             f"{full['peak_rss_mib']:.0f} / {lora['peak_rss_mib']:.0f}", "report", None,
-            f"each in a fresh process; before the first update {full['rss_before_update_mib']:.0f} / "
-            f"{lora['rss_before_update_mib']:.0f} MiB; one run"),
+            f"the high-water mark through the updates, each in a fresh process; before the first update "
+            f"{full['rss_before_update_mib']:.0f} / {lora['rss_before_update_mib']:.0f} MiB; one run"),
         row("SmolLM2-135M update FLOP rate / this machine's float32 matmul peak, LoRA and full",
             f"{statistics.median(lora['flops_over_peak']):.1%} / {statistics.median(full['flops_over_peak']):.1%}",
             "report", None, f"LoRA {rate(lora)}, full {rate(full)}; {lora['threads']} threads; frozen weights "
