@@ -818,9 +818,9 @@ def test_a_node_that_dies_mid_step_is_named_and_the_last_checkpoint_stays(world,
     nodes[0].wait(timeout=200)
     text = output(nodes[0])
     assert nodes[0].returncode != 0
-    assert "node 1" in text and "stopped answering" in text and "step_1" in text, text[-3000:]
-    latest = latest_checkpoint(out / "checkpoints")
-    assert latest is not None and latest.name in ("step_1", "step_2")
+    latest = latest_checkpoint(out / "checkpoints")  # step_1 or later: where the kill landed depends on the machine
+    assert latest is not None
+    assert "node 1" in text and "stopped answering" in text and f"checkpoint is {latest}" in text, text[-3000:]
     state = json.loads((latest / "trainer_state.json").read_text())
     assert state["step"] == int(latest.name.removeprefix("step_"))  # written whole: the state file is last
     weights = load_file(str(latest / "accelerate" / "model.safetensors"))

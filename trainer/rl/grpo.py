@@ -112,6 +112,9 @@ class TrainResult:
     steps: int  # steps done, in this and earlier sessions
 
 
+# Growth of the resident memory since the last release after which a step gives memory back.
+RELEASE_ABOVE_GIB = 0.25
+
 class GRPOTrainer:
     """One training run: `setup()`, `train()`, `cleanup()`."""
 
@@ -136,6 +139,7 @@ class GRPOTrainer:
         # The engine's logprobs are at T = 1 when it decodes greedily.
         self.temperature = config.rollout.temperature or 1.0
         self._exit = ExitStack()
+        self.rss_after_release = rss_gib()  # resident memory after the last release_memory
 
     # -- setup -------------------------------------------------------------------------
 
@@ -259,11 +263,15 @@ class GRPOTrainer:
                     due = bool(self.eval_items) and (step % self.hp["eval_interval"] == 0 or step == self.total_steps)
                     metrics.update(evaluate(self, step) if due else {"timing/eval_s": 0.0})
                     metrics["timing/step_s"] = time.perf_counter() - started
-                    # the step's engine, batches and heap given back: without it the real-model
-                    # recipe's trainer grew to 23 GB by step 15 and was OOM-killed (docs/real-model.md)
+                    # the step's engine, batches and heap given back once the process has grown by
+                    # RELEASE_ABOVE_GIB since the last time: without it the real-model recipe's
+                    # trainer grew to 23 GB by step 15 and was OOM-killed (docs/real-model.md); a
+                    # small model rarely grows that much, and skips the full collection's cost
                     del sample
                     released = time.perf_counter()
-                    release_memory()
+                    if rss_gib() > self.rss_after_release + RELEASE_ABOVE_GIB:
+                        release_memory()
+                        self.rss_after_release = rss_gib()
                     metrics["timing/release_s"] = time.perf_counter() - released
                     metrics["memory/rss_gib"], metrics["memory/peak_rss_gib"] = rss_gib(), peak_rss_gib()
                     self.step = step
