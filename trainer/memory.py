@@ -5,7 +5,8 @@ whose objects reference each other: they are freed at the next garbage collectio
 the step ends. And glibc keeps freed heap pages for reuse until it is asked to trim them; on
 a CPU, where every tensor lives on that heap and each step's sequences have other lengths,
 the pages freed by one step rarely fit the next, and the process grows step after step.
-`release_memory` does both, at the end of each training step and each evaluation."""
+`release_memory` does both, after each evaluation and after a training step that left the
+process grown (trainer/rl/grpo.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import contextlib
 import ctypes
 import gc
 import resource
+import sys
 
 
 def release_memory() -> None:
@@ -23,11 +25,15 @@ def release_memory() -> None:
 
 
 def rss_gib() -> float:
-    """This process's resident memory now, GiB."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize() / 2**30
+    """This process's resident memory now, GiB (without /proc, as on macOS: the high-water mark)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize() / 2**30
+    except OSError:
+        return peak_rss_gib()
 
 
 def peak_rss_gib() -> float:
-    """This process's resident high-water mark, GiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    """This process's resident high-water mark, GiB (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
