@@ -13,9 +13,9 @@ template, tools and sampling settings), side by side in one run.
     measured them (median length, median first generated position), the recipe's micro-batch,
     `--update-repeats` timed updates after one warm-up; seconds per update, resident memory
     before the first update and its peak through the updates (the high-water mark is reset
-    after the setup, whose own peak is not the update's), parameters trained. Memory is given back before each
-    update (trainer/memory.py `release_memory`, untimed), as the trainer does between steps; a
-    third arm, LoRA with the heap kept, shows what that costs the update.
+    after the setup, whose own peak is not the update's), parameters trained. Memory is given
+    back before each update (trainer/memory.py `release_memory`, untimed), as the trainer does
+    between steps; a third arm, LoRA with the heap kept, shows what that costs the update.
 (3) The FLOP rate of those updates over this machine's float32 matmul peak (the best 2048^3
     matmul at the same thread count, measured before and after in the same process). FLOPs
     counted: every linear layer's forward (2 per weight per position; the LM head only over
@@ -47,8 +47,7 @@ PEAK_N = 2048
 UPDATE_VARIANTS = ["lora", "full", "lora-kept"]
 
 
-def recipe(model: Path, url: str, out: Path, *, backend: str = "transformers", lora: bool = True,
-           micro_batch_size: int | None = None) -> Any:
+def recipe(model: Path, url: str, out: Path, *, backend: str = "transformers", lora: bool = True) -> Any:
     """The units recipe's config on `model`, its tools at `url`, MLflow and outputs in `out`."""
     from trainer.config.loading import load_config
 
@@ -61,8 +60,6 @@ def recipe(model: Path, url: str, out: Path, *, backend: str = "transformers", l
     }
     if not lora:
         overrides["training"] = {"lora": None}
-    if micro_batch_size:
-        overrides.setdefault("training", {})["micro_batch_size"] = micro_batch_size
     return load_config(REPO / "envs" / "units" / "smollm2.yaml", overrides)
 
 
@@ -174,8 +171,8 @@ def update_variant(args) -> dict[str, Any]:
     peak = max(peak_before, matmul_peak(device, torch.float32, PEAK_N, 3))
     flops = update_flops(counts, model_config, args.rollouts, args.seq_len, args.seq_len - args.first_generated + 1,
                          lora)
-    return {"variant": args.update_variant, "release_memory": release, "threads": torch.get_num_threads(), "trained_parameters": trained,
-            "linear_weights": counts, "rollouts": args.rollouts, "seq_len": args.seq_len,
+    return {"variant": args.update_variant, "release_memory": release, "threads": torch.get_num_threads(),
+            "trained_parameters": trained, "linear_weights": counts, "rollouts": args.rollouts, "seq_len": args.seq_len,
             "first_generated": args.first_generated, "micro_batch_size": config.training.micro_batch_size,
             "update_s": [round(t, 2) for t in times], "update_s_median": statistics.median(times),
             "rss_before_update_mib": round(rss_before), "peak_rss_mib": round(peak_since_reset_mib()),

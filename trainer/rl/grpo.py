@@ -115,6 +115,7 @@ class TrainResult:
 # Growth of the resident memory since the last release after which a step gives memory back.
 RELEASE_ABOVE_GIB = 0.25
 
+
 class GRPOTrainer:
     """One training run: `setup()`, `train()`, `cleanup()`."""
 
@@ -269,11 +270,12 @@ class GRPOTrainer:
                     # small model rarely grows that much, and skips the full collection's cost
                     del sample
                     released = time.perf_counter()
-                    if rss_gib() > self.rss_after_release + RELEASE_ABOVE_GIB:
+                    resident = rss_gib()
+                    if resident > self.rss_after_release + RELEASE_ABOVE_GIB:
                         release_memory()
-                        self.rss_after_release = rss_gib()
+                        resident = self.rss_after_release = rss_gib()
                     metrics["timing/release_s"] = time.perf_counter() - released
-                    metrics["memory/rss_gib"], metrics["memory/peak_rss_gib"] = rss_gib(), peak_rss_gib()
+                    metrics["memory/rss_gib"], metrics["memory/peak_rss_gib"] = resident, peak_rss_gib()
                     self.step = step
                     self._log(step, metrics)
                     if step % training.checkpoint_interval == 0 or step == last:
