@@ -15,7 +15,7 @@ template, tools and sampling settings), side by side in one run.
     before the first update and its peak through the updates (the high-water mark is reset
     after the setup, whose own peak is not the update's), parameters trained. Memory is given
     back before each update (trainer/memory.py `release_memory`, untimed), as the trainer does
-    between steps; a third arm, LoRA with the heap kept, shows what that costs the update.
+    after a step once the process is large; a third arm, LoRA with the heap kept, shows what that costs the update.
 (3) The FLOP rate of those updates over this machine's float32 matmul peak (the best 2048^3
     matmul at the same thread count, measured before and after in the same process). FLOPs
     counted: every linear layer's forward (2 per weight per position; the LM head only over
@@ -139,7 +139,7 @@ def update_variant(args) -> dict[str, Any]:
     from trainer.rl.grpo import GRPOTrainer
 
     lora = args.update_variant != "full"
-    # as the trainer does between steps (trainer/memory.py), outside the timed update;
+    # as the trainer does after a step once the process is large (trainer/memory.py), outside the timed update;
     # "lora-kept" leaves the heap as it is, to show what giving memory back costs the update
     release = args.update_variant != "lora-kept"
     device = torch.device("cpu")

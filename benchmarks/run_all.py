@@ -429,7 +429,7 @@ def real_model_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row("SmolLM2-135M LoRA update seconds, memory given back before it / heap kept",
             round(lora["update_s_median"] / kept["update_s_median"], 2), "report", None,
             f"{lora['update_s_median']:.1f} vs {kept['update_s_median']:.1f} s (medians of {len(kept['update_s'])}); "
-            f"what trainer/memory.py release_memory between steps costs the next update; peak resident "
+            f"what trainer/memory.py release_memory after a step costs the next update; peak resident "
             f"{lora['peak_rss_mib']:.0f} vs {kept['peak_rss_mib']:.0f} MiB"),
     ]
 

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import gc
+
 import psutil
 import torch
 
-from trainer.memory import release_memory
+from trainer.memory import StepRelease, release_memory, rss_gib
 
 
 class _Engine:
@@ -23,3 +25,26 @@ def test_cyclic_garbage_is_collected_and_the_heap_trimmed():
     held = process.memory_info().rss
     release_memory()
     assert held - process.memory_info().rss > 200 * 2**20
+
+
+def test_a_step_releases_only_above_its_share_of_the_machine_and_after_growing():
+    """StepRelease keeps what a step left while the process is under its share of the machine,
+    gives it back above it, and not again until the process has grown by the margin."""
+    gc.disable()  # the cycle stays until StepRelease collects it
+    try:
+        machine = rss_gib() + 1.0  # a machine of which a third is well under what the process will hold
+        roomy = StepRelease(share=1.0, machine=machine + 100.0)
+        tight = StepRelease(share=1 / 3, margin_gib=0.25, machine=machine)
+        _Engine()
+        held = rss_gib()
+        resident, released = roomy()
+        assert not released and resident >= held - 0.05
+        resident, released = tight()
+        assert released and held - resident > 200 / 1024
+        again, released = tight()  # large, but not grown since: left alone
+        assert not released and abs(again - resident) < 0.1
+        _Engine()
+        _, released = tight()  # grown by 300 MiB: given back again
+        assert released
+    finally:
+        gc.enable()

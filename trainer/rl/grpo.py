@@ -83,7 +83,7 @@ from trainer.config.tools import ToolEndpoint
 from trainer.config.training import resolved_hyperparameters
 from trainer.errors import ConfigError, InfraError
 from trainer.generation.policy import load_config_policy, local_model_path
-from trainer.memory import peak_rss_gib, release_memory, rss_gib
+from trainer.memory import StepRelease, peak_rss_gib
 from trainer.progress import Progress
 from trainer.rl.batches import (
     Sample,
@@ -112,10 +112,6 @@ class TrainResult:
     steps: int  # steps done, in this and earlier sessions
 
 
-# Growth of the resident memory since the last release after which a step gives memory back.
-RELEASE_ABOVE_GIB = 0.25
-
-
 class GRPOTrainer:
     """One training run: `setup()`, `train()`, `cleanup()`."""
 
@@ -140,7 +136,7 @@ class GRPOTrainer:
         # The engine's logprobs are at T = 1 when it decodes greedily.
         self.temperature = config.rollout.temperature or 1.0
         self._exit = ExitStack()
-        self.rss_after_release = rss_gib()  # resident memory after the last release_memory
+        self.release = StepRelease()  # memory given back after a step that left the process large
 
     # -- setup -------------------------------------------------------------------------
 
@@ -264,16 +260,12 @@ class GRPOTrainer:
                     due = bool(self.eval_items) and (step % self.hp["eval_interval"] == 0 or step == self.total_steps)
                     metrics.update(evaluate(self, step) if due else {"timing/eval_s": 0.0})
                     metrics["timing/step_s"] = time.perf_counter() - started
-                    # the step's engine, batches and heap given back once the process has grown by
-                    # RELEASE_ABOVE_GIB since the last time: without it the real-model recipe's
-                    # trainer grew to 23 GB by step 15 and was OOM-killed (docs/real-model.md); a
-                    # small model rarely grows that much, and skips the full collection's cost
+                    # the step's engine, batches and heap given back once the process holds a third
+                    # of the machine: without it the real-model recipe's trainer grew to 23 GB by
+                    # step 15 and was OOM-killed (docs/real-model.md); the demo's stays far below it
                     del sample
                     released = time.perf_counter()
-                    resident = rss_gib()
-                    if resident > self.rss_after_release + RELEASE_ABOVE_GIB:
-                        release_memory()
-                        resident = self.rss_after_release = rss_gib()
+                    resident, _ = self.release()
                     metrics["timing/release_s"] = time.perf_counter() - released
                     metrics["memory/rss_gib"], metrics["memory/peak_rss_gib"] = resident, peak_rss_gib()
                     self.step = step
