@@ -7,8 +7,8 @@ a CPU, where every tensor lives on that heap and each step's sequences have othe
 the pages freed by one step rarely fit the next, and the process grows step after step.
 `release_memory` does both, after each evaluation; `StepRelease` after a training step once
 the process holds a third of the machine's memory (trainer/rl/grpo.py). Not after every
-step: on the 0.9M demo model that made steps 1.00-1.09x as long (three pairs of runs), the
-trimmed pages being faulted in again by the next step (docs/real-model.md, Memory)."""
+step: on the 0.9M demo model that made steps 1.00-1.09x as long (three pairs of runs; the
+likely cost, the trimmed pages faulted in again by the next step; docs/real-model.md, Memory)."""
 
 from __future__ import annotations
 
