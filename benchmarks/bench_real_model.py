@@ -15,7 +15,8 @@ template, tools and sampling settings), side by side in one run.
     before the first update and its peak through the updates (the high-water mark is reset
     after the setup, whose own peak is not the update's), parameters trained. Memory is given
     back before each update (trainer/memory.py `release_memory`, untimed), as the trainer does
-    after a step once the process is large; a third arm, LoRA with the heap kept, shows what that costs the update.
+    after a step once the process is large; a third arm, LoRA with the heap kept, shows what
+    that costs the update.
 (3) The FLOP rate of those updates over this machine's float32 matmul peak (the best 2048^3
     matmul at the same thread count, measured before and after in the same process). FLOPs
     counted: every linear layer's forward (2 per weight per position; the LM head only over

@@ -18,12 +18,15 @@ import gc
 import os
 import resource
 import sys
+from pathlib import Path
 
 # A step gives memory back once the process holds this share of the machine's memory and has
 # grown by RELEASE_MARGIN_GIB since the last release (so a process that is simply that large is
 # not collected after every step).
 RELEASE_ABOVE_SHARE = 1 / 3
 RELEASE_MARGIN_GIB = 0.25
+# A container's memory limit (cgroup v2, then v1; "max" or a huge number where there is none).
+CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 
 
 def release_memory() -> None:
@@ -48,9 +51,18 @@ def peak_rss_gib() -> float:
     return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
 
 
-def machine_gib() -> float:
-    """The machine's physical memory, GiB."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+def machine_gib(limits: tuple[Path, ...] = CGROUP_LIMITS) -> float:
+    """The memory this process may use, GiB: the machine's physical memory, or its container's
+    limit where that is lower (a container's OOM killer counts against the limit, not the host)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in limits:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total / 2**30
 
 
 class StepRelease:

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import psutil
 import torch
 
-from trainer.memory import StepRelease, release_memory, rss_gib
+from trainer.memory import StepRelease, machine_gib, release_memory, rss_gib
 
 
 class _Engine:
@@ -48,3 +49,16 @@ def test_a_step_releases_only_above_its_share_of_the_machine_and_after_growing()
         assert released
     finally:
         gc.enable()
+
+
+def test_the_machine_is_the_container_where_its_limit_is_lower(tmp_path: Path):
+    """A cgroup limit below the physical memory is what the share is taken of; "max" and
+    v1's no-limit number are not limits."""
+    physical = machine_gib(limits=())
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("max\n")
+    v1.write_text("9223372036854771712\n")
+    assert machine_gib(limits=(v2, v1)) == physical
+    v2.write_text(f"{2 * 2**30}\n")
+    assert machine_gib(limits=(v2, v1)) == 2.0
+    assert machine_gib(limits=(tmp_path / "absent",)) == physical
