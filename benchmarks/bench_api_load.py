@@ -245,12 +245,6 @@ def jobs_polling_restart(tmp: Path) -> dict[str, Any]:
             if server is not None:
                 server.terminate()
                 server.wait(timeout=120)
-            pid = (tmp / "runs" / "api" / "deployment.pid")
-            if pid.is_file():
-                try:
-                    os.kill(int(pid.read_text()), signal.SIGTERM)
-                except (ProcessLookupError, ValueError):
-                    pass
             os.killpg(prefect.pid, signal.SIGTERM)
             prefect.wait(timeout=60)
     return results

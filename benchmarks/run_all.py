@@ -26,7 +26,10 @@ staleness 480 (both arms, 5 seeds, 12 steps, about 3 minutes), staleness_ppo2 an
 staleness_thread 420 each (3 seeds, about 2 minutes each), staleness_vllm 720 (3 seeds on
 one vLLM server, about 4 minutes), api_load 2400 (`agentrft api` under load, about 15
 minutes), real_model 1800 (SmolLM2-135M on the engine and on vLLM, its update with LoRA and
-in full, about 10 minutes): 177 minutes at worst, 65 to 75 typically.
+in full, about 10 minutes), prefix_update 1200 (the update shared and plain, SmolLM2-135M and
+the demo model, about 9 minutes), prefix 1500 (the prefix cache on and off in sampling,
+SmolLM2 and the demo model, 3 repeats each, about 15 minutes): 222 minutes at worst, 88 to
+98 typically.
 
     python benchmarks/run_all.py [--json benchmarks/results.json] [--only trl training] [--logs DIR]
 
@@ -94,6 +97,13 @@ BENCHMARKS: dict[str, tuple[str, list[str], int, int]] = {
     # the real-model recipe at its size: rollouts/s on the engine and on vLLM, the update with
     # LoRA and in full (seconds, peak memory, FLOP rate over the matmul peak)
     "real_model": ("bench_real_model", [], 1800, 1),
+    # the update with each group's prompt forwarded once against every rollout forwarded whole:
+    # SmolLM2-135M at the units recipe's shape and the demo model, 2 rounds of fresh processes
+    # (about 9 minutes here)
+    "prefix_update": ("bench_prefix_update", ["--rounds", "2", "--repeats", "2"], 1200, 1),
+    # the prefix cache on and off, alternating in fresh processes: SmolLM2 at the units recipe's
+    # shape and the demo model on FinQA, 2 items x 8 each, 3 repeats
+    "prefix": ("bench_prefix", ["--items", "2", "--repeats", "3"], 1500, 1),
 }
 # Run only when named in --only (`make bench-data`); a full run keeps their rows from the
 # existing file, with the partial run that made them.
@@ -434,6 +444,73 @@ def real_model_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def prefix_update_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    r = results[0]
+    rows = []
+    for model, label, goal in (("smollm2", "SmolLM2-135M, units recipe (LoRA r16)", 3.0),
+                               ("demo", "demo model (full fine-tuning)", None)):
+        m = r.get(model)
+        if not m:
+            continue
+        shared = ", ".join(f"{x['update_s_median']:.2f}" for x in m["runs"]["shared"])
+        plain = ", ".join(f"{x['update_s_median']:.2f}" for x in m["runs"]["plain"])
+        note = (f"update seconds shared {shared}, plain {plain} (medians of each round's timed updates, fresh "
+                f"processes, rounds alternating); tokens forwarded bound it at {m['token_bound']:.2f}x; a group of "
+                f"{m['group']} x ({m['prompt']} prompt + {m['completion_mean']:.0f} tokens) in one micro-batch; "
+                f"{m['threads']} threads on a machine shared with other jobs")
+        if not m["shared_applied"]:
+            note += "; the shared forward fell back to the plain one"
+        figure = f"update seconds, plain / shared prefix, {label}"
+        rows.append(ranged(figure, spread_of(m["speedups"]), goal, note) if goal else
+                    row(figure, round(statistics.median(m["speedups"]), 2), "report", None, note,
+                        low=round(min(m["speedups"]), 2), high=round(max(m["speedups"]), 2),
+                        runs=len(m["speedups"])))
+        peak, extra = m["peak_rss_mib"], m["update_extra_mib"]
+        rows.append(row(f"peak RSS of the update (MiB), plain -> shared prefix, {label}",
+                        f"{peak['plain']} -> {peak['shared']}", "lower with sharing",
+                        "met" if peak["shared"] < peak["plain"] else "not met",
+                        f"the highest of {len(m['runs']['shared'])} fresh processes each, the high-water mark reset "
+                        f"after the setup; above the RSS before the first update {extra['plain']} -> "
+                        f"{extra['shared']} MiB", runs=len(m["runs"]["shared"])))
+def prefix_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    worlds = results[0]["worlds"]
+    names = {"units": "SmolLM2-135M, units recipe", "demo": "demo model, FinQA"}
+    rows = []
+    for world, w in worlds.items():
+        shared, unshared = w["runs"]["shared"], w["runs"]["unshared"]
+        ratios = [a["rollouts_per_s"] / b["rollouts_per_s"] for a, b in zip(shared, unshared, strict=True)]
+        first = shared[0]
+        note = (f"{statistics.median(a['rollouts_per_s'] for a in shared):.2f} vs "
+                f"{statistics.median(b['rollouts_per_s'] for b in unshared):.2f} rollouts/s (medians), "
+                f"{first['rollouts']} rollouts a batch ({w['items']} items x {w['group']}), prompts of "
+                f"{first['prompt_tokens_mean']:.0f} tokens, {first['hit_share']:.0%} of their tokens from the cache, "
+                f"{first['generated_tokens'] / first['rollouts']:.0f} generated tokens and "
+                f"{first['tool_calls_mean']:.2f} tool calls a rollout; each run a fresh process, alternating; "
+                "shared 2-core machine")
+        if world == "units":
+            rows.append(ranged(f"rollouts/s, prefix cache on / off, {names[world]} (groups of 8)",
+                               spread_of(ratios), 3.0, note))
+        else:
+            rows.append(ranged(f"rollouts/s, prefix cache on / off, {names[world]} (groups of 8)",
+                               spread_of(ratios), 1.0, note + "; goal: no slower"))
+        rows.append(row(f"peak resident memory of a batch, prefix cache on / off, {names[world]} (MiB)",
+                        f"{statistics.median(a['peak_rss_mib'] for a in shared):.0f} / "
+                        f"{statistics.median(b['peak_rss_mib'] for b in unshared):.0f}", "report", None,
+                        f"each run's process high-water mark (model, warm-up, batch); key/value bytes at the end: "
+                        f"slots {first['kv_cache_mib'] - first['prefix_cache_mib']:.0f} + prefix cache "
+                        f"{first['prefix_cache_mib']:.0f} MiB on, {unshared[0]['kv_cache_mib']:.0f} MiB off"))
+    if "demo" in worlds:
+        d = worlds["demo"]["runs"]["shared"]
+        beyond = statistics.median(r["samples_sharing_beyond_prompt"] for r in d)
+        saves = statistics.median(r["tree_saves_token_share"] for r in d)
+        rows.append(row("demo rollouts whose first turn and tool answers equal another of their group's "
+                        "(a prefix tree over turns would share them)", round(beyond, 3), "report", None,
+                        f"the demo's temperature 1; such a tree would save "
+                        f"{saves:.1%} of the tokens the engine computes (the repeated second-turn pre-fill); "
+                        f"median of {len(d)} batches of {d[0]['rollouts']}"))
+    return rows
+
+
 def staleness_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     r = results[0]
     sync = r["runs"]["0"]  # the synchronous arm (JSON keys are strings)
@@ -489,8 +566,13 @@ ROWS: dict[str, tuple[Callable[[list[dict[str, Any]]], list[dict[str, Any]]], li
                                      "SmolLM2-135M update peak resident memory, full fine-tuning / LoRA r16 (MiB)",
                                      "SmolLM2-135M update FLOP rate / this machine's float32 matmul peak, LoRA and full",
                                      "SmolLM2-135M LoRA update seconds, memory given back before it / heap kept"]),
+    "prefix": (prefix_rows, ["rollouts/s, prefix cache on / off, SmolLM2-135M and demo model",
+                             "peak resident memory, prefix cache on / off",
+                             "demo rollouts sharing more than the prompt"]),
     "api_load": (api_load_rows, ["agentrft api: upload memory, 20 jobs at once, polling p95, chat burst, "
                                  "kill -9 and restart"]),
+    "prefix_update": (prefix_update_rows, ["update seconds, plain / shared prefix, SmolLM2-135M and the demo model",
+                                           "peak RSS of the update, plain -> shared prefix"]),
 }
 
 

@@ -2,7 +2,9 @@
 
 An environment brings a `ToolSet` (its tools' Chat Completions schemas and a `run(name,
 arguments, item)` that returns the output text or raises `ToolError`); `create_tool_app`
-serves it. A tool call is `POST /tools/<name>` (one server_url per tool, as an Agent RFT
+serves it. A `ToolSet` whose `schemas` is None serves whatever tools each data row offers (its
+`tools`, as a benchmark's rows each bring their own functions), checked against the row the
+call carries. A tool call is `POST /tools/<name>` (one server_url per tool, as an Agent RFT
 job declares them) or `POST /call` (the tool named in the body), with the body
 `{"type": "function_call", "id", "call_id", "name", "arguments": "<JSON string>", "item",
 "trace_id"}`; the answer is `{"type": "function_call_output", "call_id", "id", "output"}`.
@@ -36,7 +38,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match
+from jsonschema.exceptions import SchemaError, best_match
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -51,9 +53,11 @@ log = logging.getLogger(__name__)
 
 
 class ToolSet(Protocol):
-    """What an environment's tools give the server: their schemas and a way to run one."""
+    """What an environment's tools give the server: their schemas and a way to run one.
+    `schemas` None: every data row offers tools of its own (its `tools`), and a call is checked
+    against the schemas of the row it carries."""
 
-    schemas: list[dict]
+    schemas: list[dict] | None
 
     def run(self, name: str, args: dict[str, Any], item: dict[str, Any] | None = None) -> str: ...
 
@@ -231,8 +235,24 @@ def create_tool_app(
     """The Agent RFT tool routes over `tools`. With `api_key`, every route but /health (the
     traces included) needs it; with `grader` (an OpenAI grader object), `POST /grade` scores
     a sample with it; `health` adds the environment's own figures to `GET /health`."""
-    validators = {tool["function"]["name"]: Draft202012Validator(tool["function"]["parameters"])
-                  for tool in tools.schemas}
+    validators = None if tools.schemas is None else _validators(tools.schemas)
+    item_validators: OrderedDict[str, dict[str, Draft202012Validator]] = OrderedDict()
+
+    def validators_for(item: dict[str, Any]) -> dict[str, Draft202012Validator]:
+        """The server's tools, else the row's own (compiled once per distinct list, a bounded
+        number of lists kept); a row without a `tools` list offers none."""
+        if validators is not None:
+            return validators
+        offered = item.get("tools")
+        if not isinstance(offered, list):
+            return {}
+        key = json.dumps(offered, sort_keys=True)
+        if key not in item_validators:
+            item_validators[key] = _validators(offered)
+            while len(item_validators) > 4096:
+                item_validators.popitem(last=False)
+        item_validators.move_to_end(key)
+        return item_validators[key]
     traces = TraceStore(max_traces)
     injector = FaultInjector(faults) if faults is not None else None
 
@@ -268,7 +288,7 @@ def create_tool_app(
                 content["detail"] = error
             return JSONResponse(content, status_code=status or 503)
 
-        if url_tool is not None and url_tool not in validators:
+        if url_tool is not None and validators is not None and url_tool not in validators:
             return answer(404, error=f"unknown tool {url_tool!r}; tools: {', '.join(validators)}")
         if injector is not None and injector.config.latency_ms:
             await asyncio.sleep(injector.config.latency_ms / 1000)
@@ -281,21 +301,25 @@ def create_tool_app(
         except ValidationError as exc:
             return answer(422, error=_validation_message(exc))
         arguments = call.arguments
+        try:
+            offered = validators_for(call.item)
+        except (KeyError, TypeError, SchemaError) as exc:
+            return answer(422, error=f"item.tools: not a list of Chat Completions tool schemas ({exc})")
         if url_tool is None:
             if not call.name:
                 return answer(422, error="name: the tool name is required for /call")
             name = call.name
-            if name not in validators:
-                return answer(404, error=f"unknown tool {name!r}; tools: {', '.join(validators)}")
         elif call.name and call.name != url_tool:
             return answer(422, error=f"name: {call.name!r} does not match the URL's tool {url_tool!r}")
+        if name not in offered:
+            return answer(404, error=f"unknown tool {name!r}; tools: {', '.join(offered)}")
         try:
             arguments = json.loads(call.arguments.strip() or "{}")
         except ValueError as exc:
             return answer(422, error=f"arguments: not a valid JSON string: {exc}")
         if not isinstance(arguments, dict):
             return answer(422, error="arguments: must encode a JSON object")
-        error = best_match(validators[name].iter_errors(arguments))
+        error = best_match(offered[name].iter_errors(arguments))
         if error is not None:
             field = "".join(f".{p}" for p in error.absolute_path)
             return answer(422, error=f"arguments{field}: {error.message}")
@@ -325,7 +349,8 @@ def create_tool_app(
 
     @app.get("/health")
     def health_route() -> dict:
-        return {"status": "ok", **(health() if health else {}), "tools": list(validators)}
+        return {"status": "ok", **(health() if health else {}),
+                "tools": "each row's own" if validators is None else list(validators)}
 
     @app.post("/tools/{name}")
     async def call_tool(name: str, request: Request) -> JSONResponse:
@@ -364,6 +389,15 @@ def create_tool_app(
         return JSONResponse({"score": result.reward})
 
     return app
+
+
+def _validators(schemas: list[dict]) -> dict[str, Draft202012Validator]:
+    validators = {}
+    for tool in schemas:
+        parameters = tool["function"].get("parameters", {"type": "object"})
+        Draft202012Validator.check_schema(parameters)
+        validators[tool["function"]["name"]] = Draft202012Validator(parameters)
+    return validators
 
 
 @contextmanager

@@ -18,10 +18,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -139,19 +136,21 @@ def deploy_to_work_pool(config: PipelineConfig, pool: str, *, schedule: bool = T
 
 def start_uis(tracking_uri: str, *, prefect_port: int = 4200, mlflow_port: int = 5000) -> None:
     """Start the Prefect server and the MLflow UI on loopback; wait until interrupted (Ctrl-C,
-    SIGTERM or SIGHUP), then stop both with every process they started, freeing their ports."""
+    SIGTERM or SIGHUP), then stop both with every process they started, freeing their ports.
+    Each runs under a guard (trainer/lifeline.py): killed, this process takes them with it."""
+    import trainer.lifeline as lifeline
+
     def stop(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stop)
-    # Each server in a session of its own: its workers (uvicorn, gunicorn) go with it.
     processes = [
-        subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                          "--port", str(prefect_port)], start_new_session=True),
-        subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                          resolve_tracking_uri(tracking_uri), "--host", "127.0.0.1", "--port", str(mlflow_port),
-                          "--workers", "1"], start_new_session=True),
+        lifeline.start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                        "--port", str(prefect_port)], grace=2.0),
+        lifeline.start([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                        resolve_tracking_uri(tracking_uri), "--host", "127.0.0.1", "--port", str(mlflow_port),
+                        "--workers", "1"], grace=2.0),
     ]
     print(f"Prefect UI: http://127.0.0.1:{prefect_port}  (point runs at it: "
           f"export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api)", flush=True)
@@ -162,17 +161,10 @@ def start_uis(tracking_uri: str, *, prefect_port: int = 4200, mlflow_port: int =
     except KeyboardInterrupt:
         pass
     finally:
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
+        for p in processes:  # both signalled first, then waited for: their graces overlap
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
         for p in processes:
-            _signal_group(p, signal.SIGTERM)
-        for p in processes:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                _signal_group(p, signal.SIGKILL)
-                p.wait()
-            _signal_group(p, signal.SIGKILL)  # workers that outlived their parent
-
-
-def _signal_group(process: subprocess.Popen, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signum)
+            lifeline.stop(p)

@@ -26,8 +26,16 @@ from trainer.rollout.evaluate import write_outputs
 STAGE = "baseline"
 
 
-def baseline_gates(metrics: dict[str, float], gates: BaselineConfig) -> dict[str, Gate]:
-    """Each gate's value, limit and verdict (from `baseline/...` metrics)."""
+WARM_START_REMEDY = (
+    ", or warm-start it: write demonstrations of the task (OpenAI supervised JSONL, one conversation a line: "
+    "`messages` with the assistant's `tool_calls` and the `tool` results, and `tools`) and set "
+    "warm_start.demonstrations_file (docs/never-calls.md)"
+)
+
+
+def baseline_gates(metrics: dict[str, float], gates: BaselineConfig, *, warm_started: bool = False) -> dict[str, Gate]:
+    """Each gate's value, limit and verdict (from `baseline/...` metrics); the nonzero gate
+    names the warm start as a remedy unless the model is already `warm_started`."""
     share = metrics["baseline/nonzero_best_share"]
     headroom = metrics["baseline/headroom"]
     return {
@@ -35,7 +43,7 @@ def baseline_gates(metrics: dict[str, float], gates: BaselineConfig) -> dict[str
             value=share, limit=gates.min_nonzero_share, passed=share >= gates.min_nonzero_share,
             what=f"only {share:.0%} of items are solved at least once in {gates.k} tries (gate: "
             f"{gates.min_nonzero_share:.0%}); RL cannot learn from all-zero rewards: improve the prompt, the tools or "
-            "the base model first",
+            "the base model first" + ("" if warm_started else WARM_START_REMEDY),
         ),
         "headroom": Gate(
             value=headroom, limit=gates.min_headroom, passed=headroom >= gates.min_headroom,
@@ -47,30 +55,32 @@ def baseline_gates(metrics: dict[str, float], gates: BaselineConfig) -> dict[str
 
 @task(name=STAGE, persist_result=True, cache_policy=stage_cache(__name__))
 def baseline(model_path: str, *, model: Any, data: Any, tools: Any, grader: dict[str, Any], rollout: Any,
-             penalties: Any, gates: BaselineConfig, traces: int, work_dir: str, ctx: RunContext) -> BaselineResult:
-    """Evaluate the base model on validation items; the result says whether the gates passed."""
+             penalties: Any, gates: BaselineConfig, traces: int, work_dir: str, ctx: RunContext,
+             run_name: str = STAGE) -> BaselineResult:
+    """Evaluate the base model on validation items; the result says whether the gates passed.
+    `run_name` names its MLflow run: `baseline_after_warm_start` measures the warm-started model."""
     logger = get_run_logger()
     sections = {"model": model, "data": data, "tools": tools, "grader": grader, "rollout": rollout,
                 "penalties": penalties, "baseline": gates}
-    with stage_run(ctx, STAGE, sections) as (client, run_id):
+    with stage_run(ctx, run_name, sections) as (client, run_id):
         link_split(ctx, run_id, data, "validation")
         items = split_items(data, "validation", gates.max_items)
         summary, records = evaluate_model(
             model_path, items, tracking_uri=ctx.tracking_uri, model_section=model, tools=tools, grader=grader, rollout=rollout,
             penalties=penalties, k=gates.k, seed=gates.seed, prefix="baseline", log=logger.info,
         )
-        for path in write_outputs(summary, records, Path(work_dir) / STAGE / run_id).values():
+        for path in write_outputs(summary, records, Path(work_dir) / run_name / run_id).values():
             client.log_artifact(run_id, str(path))
         keep_rollouts(ctx, run_id, records, kind="baseline", n=traces, items=items)
         log_metrics(client, run_id, summary.metrics)
         result = BaselineResult(run_id=run_id, model=model_path, metrics=summary.metrics,
-                                gates=baseline_gates(summary.metrics, gates))
+                                gates=baseline_gates(summary.metrics, gates, warm_started=run_name != STAGE))
         client.set_tag(run_id, "gates", "passed" if result.passed else "failed: " + result.reason[:4000])
         log_json(client, run_id, {name: gate.model_dump() for name, gate in result.gates.items()}, "gates.json")
         m = summary.metrics
         publish_summary(
-            ctx, STAGE, run_id,
-            f"# Baseline\n\nModel `{model_path}`, {len(items)} validation items x {gates.k} samples.\n\n"
+            ctx, run_name, run_id,
+            f"# {'Baseline' if run_name == STAGE else 'Baseline after the warm start'}\n\nModel `{model_path}`, {len(items)} validation items x {gates.k} samples.\n\n"
             "| metric | value |\n| --- | ---: |\n"
             + "".join(f"| {name} | {m[name]:.4g} |\n" for name in (
                 "baseline/score_mean", "baseline/best_of_k_mean", "baseline/nonzero_best_share",

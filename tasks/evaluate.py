@@ -8,10 +8,14 @@ paired bootstrap 95% interval (items resampled with replacement); tool calls, to
 latency get relative changes (p50 and p95 for latency); with `promotion.group_by`, each
 group of items gets its gain. Gates from `promotion`: the interval's lower bound above
 `min_gain_lower_bound` against the baseline and against the champion when there is one,
-no more tool calls, tokens or latency than the allowed increases, no group falling beyond
-`max_group_drop` (skipped, and said so, without `group_by`), and the grader's
-no more of its paid rollouts shaped like a reward hack (several numbers, text addressed to the
-grader, the question echoed) than the base model's, beyond `max_hack_share_increase`. The
+no more tool calls, tokens or latency than the allowed increases (from a base below its
+floor, `tool_calls_floor` and the like, where a relative change measures little, the rise
+in absolute terms against the allowed increase of the floor), at most `max_tool_calls_mean`,
+`max_tokens_mean` and `max_latency_s_p50` where they are set, no group falling beyond
+`max_group_drop` (skipped, and said so, without `group_by`), and the candidate no more of its paid rollouts hacked than the base model's, beyond
+`max_hack_share_increase`: a rollout counts where its answer has a hack's shape (several
+numbers, text addressed to the grader, the question echoed) and the grader pays that shape,
+stated alone, beyond its plain content (the probe criterion, trainer/graders/probe.py). The
 grader's own hackability is measured before training, on validation items (validate_data). The report (markdown) carries every figure
 plus the before/after tool-call histogram and the reward-versus-tool-calls plot; sample
 rollouts of each model are MLflow traces, and the candidate's metrics are linked to its
@@ -82,10 +86,39 @@ def compare(before: tuple[EvalSummary, str], after: tuple[EvalSummary, str], *, 
     (b, bp), (a, ap) = before, after
     gain = paired_bootstrap(_per_item(b), _per_item(a), samples=samples, seed=seed)
     changes = {name: {"before": b.metrics[f"{bp}/{name}"], "after": a.metrics[f"{ap}/{name}"],
+                      "absolute": a.metrics[f"{ap}/{name}"] - b.metrics[f"{bp}/{name}"],
                       "relative": relative_change(b.metrics[f"{bp}/{name}"], a.metrics[f"{ap}/{name}"])}
                for name in COMPARED}
     groups = {name: a.group_means.get(name, 0.0) - value for name, value in b.group_means.items()}
     return {"score_gain": gain, "changes": changes, "group_gain": groups}
+
+
+# The relative gates: the compared metric, its allowed relative increase, the floor of its base
+# and the absolute gate beside it (PromotionConfig's field names), and its unit.
+COST_GATES = {
+    "tool_calls": ("tool_calls_mean", "max_tool_calls_increase", "tool_calls_floor", "max_tool_calls_mean",
+                   "tool calls per rollout"),
+    "tokens": ("tokens_mean", "max_tokens_increase", "tokens_floor", "max_tokens_mean",
+               "generated tokens per rollout"),
+    "latency_p50": ("latency_s_p50", "max_latency_increase", "latency_floor_s", "max_latency_s_p50",
+                    "seconds of latency p50"),
+}
+
+
+def cost_gate(change: dict[str, float], max_increase: float, floor: float, unit: str, increase_key: str,
+              floor_key: str) -> Gate:
+    """A cost's relative change against its allowed increase; from a base below `floor` (where a
+    relative change measures little: +900% for one call a question over 24 calls in 240
+    rollouts, infinite over none) its absolute rise against `max_increase` x `floor`."""
+    before, after = change["before"], change["after"]
+    if before >= floor:
+        return Gate(value=change["relative"], limit=max_increase, passed=change["relative"] <= max_increase,
+                    what=f"relative change of {unit} ({before:.4g} -> {after:.4g})")
+    rise, allowed = after - before, max_increase * floor
+    return Gate(value=rise, limit=allowed, passed=rise <= allowed + 1e-12,
+                what=f"rise of {unit}, in absolute terms: the base model's {before:.4g} is below promotion."
+                     f"{floor_key} ({floor:g}), where a relative change measures little, so the rise "
+                     f"({before:.4g} -> {after:.4g}) is held to {increase_key} x {floor_key}")
 
 
 def regression_gates(vs_baseline: dict[str, Any], vs_champion: dict[str, Any] | None,
@@ -95,16 +128,15 @@ def regression_gates(vs_baseline: dict[str, Any], vs_champion: dict[str, Any] | 
     gates = {
         "gain_vs_baseline": Gate(value=low, limit=p.min_gain_lower_bound, passed=low > p.min_gain_lower_bound,
                                  what="lower bound of the 95% interval of the score gain over the baseline"),
-        "tool_calls": Gate(value=ch["tool_calls_mean"]["relative"], limit=p.max_tool_calls_increase,
-                           passed=ch["tool_calls_mean"]["relative"] <= p.max_tool_calls_increase,
-                           what="relative change of tool calls"),
-        "tokens": Gate(value=ch["tokens_mean"]["relative"], limit=p.max_tokens_increase,
-                       passed=ch["tokens_mean"]["relative"] <= p.max_tokens_increase,
-                       what="relative change of generated tokens"),
-        "latency_p50": Gate(value=ch["latency_s_p50"]["relative"], limit=p.max_latency_increase,
-                            passed=ch["latency_s_p50"]["relative"] <= p.max_latency_increase,
-                            what="relative change of latency p50"),
     }
+    for name, (metric, increase, floor, _, unit) in COST_GATES.items():
+        gates[name] = cost_gate(ch[metric], getattr(p, increase), getattr(p, floor), unit, increase, floor)
+    for name, (metric, _, _, absolute, unit) in COST_GATES.items():
+        ceiling = getattr(p, absolute)
+        if ceiling is not None:
+            after = ch[metric]["after"]
+            gates[f"{name}_absolute"] = Gate(value=after, limit=ceiling, passed=after <= ceiling,
+                                             what=f"the candidate's {unit} (promotion.{absolute})")
     if p.group_by:
         worst, drop = min(vs_baseline["group_gain"].items(), key=lambda kv: kv[1], default=("none", 0.0))
         gates["groups"] = Gate(value=drop, limit=-p.max_group_drop, passed=drop >= -p.max_group_drop,
@@ -134,7 +166,7 @@ def report_markdown(results: dict[str, Any], gates: dict[str, Gate], group_by: s
         lines += [f"## Against the {label}", "",
                   f"Score gain {g['gain']:+.4f}, 95% interval [{g['low']:+.4f}, {g['high']:+.4f}] over {g['items']} items.",
                   "", f"| metric | {label} | candidate | change |", "| --- | ---: | ---: | ---: |"]
-        lines += [f"| {name} | {c['before']:.4g} | {c['after']:.4g} | {c['relative']:+.1%} |"
+        lines += [f"| {name} | {c['before']:.4g} | {c['after']:.4g} | {c['relative']:+.1%} ({c['after'] - c['before']:+.4g}) |"
                   for name, c in comparison["changes"].items()]
         if group_by:
             lines += ["", f"| {group_by} | gain |", "| --- | ---: |"]
@@ -189,7 +221,7 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
         hacks = None
         if p.check_hack_patterns:
             by_id = {str(item["id"]): item for item in items}
-            hacks = {name: hack_share(evaluated[name][1], by_id) for name in ("candidate", "baseline")}
+            hacks = {name: hack_share(evaluated[name][1], by_id, grader) for name in ("candidate", "baseline")}
             log_json(client, run_id, hacks, "hack_patterns.json")
         gates = regression_gates(vs_baseline, vs_champion, hacks, p)
         results = {"candidate": candidate.model_uri, "items": len(items), "k": p.k, "vs_baseline": vs_baseline,
@@ -200,8 +232,9 @@ def regression_eval(base_model: str, candidate: Candidate, champion: dict[str, A
                                      "regression/gates_passed": float(all(x.passed for x in gates.values()))},
                     model_id=candidate.model_id)
         logger.info("regression_eval: the report and its figures")
-        experiment = client.get_experiment(ctx.experiment_id).name
-        found = record_reading(data, command="regression_eval", config=experiment, config_hash=ctx.config_hash,
+        # The config's name, as every other reader records it (not the MLflow experiment's)
+        name = ctx.config_name or client.get_run(ctx.parent_run_id).info.run_name
+        found = record_reading(data, command="regression_eval", config=name, config_hash=ctx.config_hash,
                                config_written_hash=ctx.config_written_hash, model=candidate.model_uri, git_commit=ctx.git_commit, mlflow_run_id=run_id)
         tag_run(client, run_id, found)
         markdown = report_markdown(results, gates, p.group_by)

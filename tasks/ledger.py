@@ -12,12 +12,18 @@ A split is named by the sha256 of its items as the stages read them (every item 
 re-ordered file is another split, and the seeded half of a validation file is one too.
 A shift evaluation's split is read and counted the same way (`split_file`).
 
+Every reading records the config's `name` (every reader writes the same one: the regression
+stage once wrote its MLflow experiment's, so one config counted as two) and the checkout's
+git commit, `-dirty` when tracked files differ from it. `rename_config` gives rows recorded
+under another name the config's, keeping what they said as `recorded_as` and nothing else
+changed (`agentrft data readings --rename OLD`).
+
 A config is named by what it sets (`PipelineConfig.written_hash`: the values away from the
 defaults) and by what it resolves to (`config_hash`: every value, defaults included). A
 default added later leaves the first alone: the same config read again is counted as one,
 and the sentence says when its resolved hash moved (a default changed under it).
 
-    agentrft data readings --config job.yaml    # how many times, by which configs
+    agentrft data readings --config job.yaml    # each split's readings, by which configs
 """
 
 from __future__ import annotations
@@ -112,10 +118,14 @@ def record_reading(data: Any, *, command: str, config: str, config_hash: str, mo
                    split_file: str | None = None) -> Readings | None:
     """Append this reading of the test split (or of `split_file`, a shift evaluation's) to
     `data.test_ledger` (None: no ledger, nothing recorded) and return the split's readings
-    so far, this one included."""
+    so far, this one included. `config` is the config's `name`; the commit, when not given,
+    is this checkout's."""
+    from tasks.tracking import git_commit as checkout_commit
+
     ledger = ledger_path(data)
     if ledger is None:
         return None
+    git_commit = git_commit or checkout_commit()
     _check_outside_pin(data, ledger)
     split, n_items = split_digest(data, split_file)
     row = {
@@ -137,3 +147,56 @@ def tag_run(client: Any, run_id: str, found: Readings | None) -> None:
         client.set_tag(run_id, "test_split.sha256", found.split)
         client.set_tag(run_id, "test_split.readings", str(found.count))
         client.set_tag(run_id, "test_split.configs", ", ".join(found.configs)[:5000])
+
+
+def split_readings(data: Any, ledger: Path, shift_files: dict[str, str]) -> list[dict[str, Any]]:
+    """Every split the ledger holds readings of, with its count and configs: the config's test
+    split and shift splits by name first (also when never read), then the others (retired
+    splits), each with the files its readings named."""
+    rows = read_jsonl(ledger) if ledger.is_file() else []
+    named, out = {}, []
+    for name, file in {"test": None, **shift_files}.items():
+        try:
+            named[name] = split_digest(data, file)
+        except DataError as exc:  # not written yet (its data is generated): the ledger's splits still count
+            out.append({"split": name, "sha256": None, "readings": None, "unread_because": str(exc)})
+    order = [digest for digest, _ in named.values()]
+    order += [split for split in dict.fromkeys(r.get("split_sha256") for r in rows) if split and split not in order]
+    for split in order:
+        found = readings(ledger, split)
+        names = [name for name, (digest, _) in named.items() if digest == split]
+        files = list(dict.fromkeys(r.get("test_file") for r in rows if r.get("split_sha256") == split))
+        items = next((n for digest, n in named.values() if digest == split),
+                     next((r.get("items") for r in rows if r.get("split_sha256") == split), None))
+        out.append({"split": ", ".join(names) or "(no longer this config's)", "sha256": split, "items": items,
+                    "readings": found.count, "configs": found.configs, "files": files})
+    return out
+
+
+def rename_config(ledger: Path, name: str, recorded: set[str]) -> int:
+    """Rows whose `config` is one of `recorded` get `name`, what they said kept as
+    `recorded_as`; every other field and every other row stays byte for byte. Returns the
+    rows renamed."""
+    if not ledger.is_file():
+        raise DataError(f"{ledger}: no such ledger")
+    renamed = 0
+    with ledger.open("r+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # no reading appended while the file is rewritten
+        lines = handle.read().splitlines(keepends=True)
+        out = []
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{ledger}:{number}: not JSON ({exc.msg}); nothing was renamed") from None
+            if not isinstance(row, dict) or row.get("config") not in recorded or row["config"] == name:
+                out.append(line)
+                continue
+            row.setdefault("recorded_as", row["config"])  # renamed twice: the first name stays
+            row["config"] = name
+            out.append(json.dumps(row) + "\n")
+            renamed += 1
+        handle.seek(0)
+        handle.write("".join(out))
+        handle.truncate()
+    return renamed

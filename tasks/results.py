@@ -99,3 +99,13 @@ class PromotionResult(BaseModel):
     champion: bool
     previous_champion: str | None
     decision: str
+
+
+class WarmStartResult(BaseModel):
+    """The warm start's model: where RFT starts, and the baseline is measured again."""
+
+    run_id: str
+    steps: int
+    model_uri: str  # `models:/...` of the warm-started model, logged to the stage's run
+    path: str
+    metrics: dict[str, float]

@@ -75,7 +75,7 @@ def evaluate_model(
                 stop_token_ids=policy.stop_token_ids, seed=seed))
         else:
             backend = policy.backend(max_slots=rollout.max_concurrent_rollouts, max_len=rollout.max_total_tokens,
-                                     seed=seed)
+                                     seed=seed, prefix_cache_tokens=rollout.prefix_cache_tokens)
         result = run_evaluation(
             backend, policy.chat, items, k=k, tool_client=ToolClient.from_config(tools, seed=seed),
             grader=grader, settings=RolloutSettings.from_config(rollout, penalties), tools=tools.schemas,

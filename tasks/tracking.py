@@ -36,13 +36,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @lru_cache(maxsize=1)
 def git_commit() -> str:
-    """The checkout's commit, with `-dirty` when tracked files differ from it."""
+    """This checkout's commit, with `-dirty` when tracked files differ from it (read once)."""
+    return commit_of(ROOT)
+
+
+def commit_of(root: Path) -> str:
+    """The commit of the checkout at `root`, with `-dirty` when tracked files differ from it."""
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -104,6 +109,7 @@ class RunContext(BaseModel):
     data_md5: str
     config_hash: str
     config_written_hash: str = ""  # what the config sets (PipelineConfig.written_hash); "" where none was recorded
+    config_name: str = ""  # the config's `name` (the parent run's name): what the test ledger calls it
     git_commit: str
     flow_run_id: str
     flow_run_url: str
@@ -161,6 +167,7 @@ def open_pipeline_run(config: Any, *, data_md5: str, git_commit: str) -> RunCont
         data_md5=data_md5,
         config_hash=config.section_hash(),
         config_written_hash=config.written_hash(),
+        config_name=config.name,
         git_commit=git_commit,
         flow_run_id=flow_run_id,
         flow_run_url=flow_run_url,

@@ -68,7 +68,7 @@ def _pump(stream: Any, sink: deque, on_line: Any) -> None:
                 on_line(line)
 
 
-def run_training(command: list[str], env: dict[str, str], log_path: Path, logger: Any) -> None:
+def run_training(command: list[str], env: dict[str, str], log_path: Path, logger: Any, *, stage: str = STAGE) -> None:
     """Run the trainer; forward its progress; raise with its stderr tail if it fails."""
     tail: deque[str] = deque(maxlen=30)
     last = [0.0]
@@ -78,7 +78,7 @@ def run_training(command: list[str], env: dict[str, str], log_path: Path, logger
             log.flush()
             # Progress lines: at most one every _PROGRESS_EVERY_S. Other lines do not count
             # (one just before a progress line used to hold it back for a whole period).
-            if line.startswith("GRPO"):
+            if line.startswith(("GRPO", "warm start step")):
                 if time.monotonic() - last[0] <= _PROGRESS_EVERY_S:
                     return
                 last[0] = time.monotonic()
@@ -101,10 +101,10 @@ def run_training(command: list[str], env: dict[str, str], log_path: Path, logger
         for reader in readers:
             reader.join()
     if code == 2:  # the trainer's own report of a user error (config, data): not worth a retry
-        raise AgentRFTError(f"rft_training: the trainer stopped on an error (full log: {log_path}):\n" + "\n".join(tail))
+        raise AgentRFTError(f"{stage}: the trainer stopped on an error (full log: {log_path}):\n" + "\n".join(tail))
     if code != 0:
         raise InfraError(
-            f"rft_training: the trainer exited with status {code}; last lines of its output "
+            f"{stage}: the trainer exited with status {code}; last lines of its output "
             f"(full log: {log_path}):\n" + "\n".join(tail)
         )
 

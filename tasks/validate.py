@@ -3,9 +3,11 @@
 Each split (train, validation, test) runs the suite's GX Checkpoint (tasks/expectations.py),
 which also refreshes the Data Docs site; the site goes to the stage's MLflow run as the
 `data_docs` artifact. Then the checks no statistic makes (tasks/data_checks.py): leakage
-between splits, gradability, row shapes. The report lists each failure with the split,
-the expectation, the column, observed and expected values and sample rows, and the stage
-stops the pipeline when there is any.
+between splits, gradability, row shapes, and the grader's reward-hacking probes on
+validation items (trainer/graders/probe.py), built from what it reads and given the corpus
+(`data.corpus_dir`) for the probes that paste a gold page. The report lists each failure
+with the split, the expectation, the column, observed and expected values and sample rows,
+and the stage stops the pipeline when there is any.
 
 A suite check on a field the dataset does not have is skipped (listed as such) unless the
 suite requires the field; distribution checks are skipped below `distribution_min_rows`.
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 
 from tasks.cache import stage_cache
 from tasks.data_checks import check_gradable, check_leakage, check_row_shapes, failure, short
@@ -170,21 +172,44 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def corpus_of(data: Any) -> Path | None:
+    """The folder the items' `gold_pages` name (`data.corpus_dir`; auto: `corpus` beside the
+    validation file)."""
+    if data.corpus_dir is None:
+        return None
+    if data.corpus_dir == "auto":
+        beside = Path(data.validation_file).parent / "corpus"
+        return beside if beside.is_dir() else None
+    corpus = Path(data.corpus_dir)
+    if not corpus.is_dir():
+        raise DataError(f"data.corpus_dir: {corpus} is not a folder; point it at the documents the items' "
+                        "gold_pages name, or set it to null")
+    return corpus
+
+
 def probe_grader(data: Any, grader: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """The reward-hacking probes on the first `data.probe_items` validation items: a failure
-    per probe the grader pays beyond its plain content, and the probes' report (None when
-    the config runs none)."""
+    """The reward-hacking probes on the first `data.probe_items` validation items, with the
+    corpus: a failure per probe the grader pays beyond its plain content, one when its errors
+    pass `data.probe_max_error_share`, and the probes' report (None when the config runs none)."""
     from trainer.graders.probe import THRESHOLD, run_probes
 
     if not data.probe_items:
         return [], None
     items = split_items(data, "validation", data.probe_items)
-    report = run_probes(grader, items)
-    failures = [failure(data.validation_file, "grader_pays_no_probe_beyond_its_plain_content", f"probe {f['probe']}",
+    report = run_probes(grader, items, corpus_dir=corpus_of(data), max_error_share=data.probe_max_error_share)
+    failures = [failure(data.validation_file, "grader_pays_no_probe_beyond_its_plain_content",
+                        f"probe {f['probe'].split('@')[0]}" + (f" in {f['place']}" if f["place"] != "output_text"
+                                                                else ""),
                         f"item {f['item_id']!r}: scored {f['score']:.4g}, its plain content {f['plain_score']:.4g}",
                         f"at most {THRESHOLD} more than its plain content", 1, [short(f["answer"])])
                 for f in report.flagged]
-    return failures, report.to_json()
+    if report.error_share > report.max_error_share:
+        kinds = ", ".join(f"{kind} x{n}" for kind, n in sorted(report.grader_errors.items()))
+        failures.append(failure(data.validation_file, "grader_grades_the_probes", "probes",
+                                f"{report.errored} of {report.tried} probes were grader errors ({kinds})",
+                                f"at most {report.max_error_share:.0%} (data.probe_max_error_share): past it the "
+                                "probe check tested too little", report.errored, []))
+    return failures, report.to_json() | {"summary": report.summary()}
 
 
 def validate_datasets(data: Any, grader: dict[str, Any]) -> tuple[StageReport, Path | None]:
@@ -230,13 +255,19 @@ def _validate_data(data: Any, grader: dict[str, Any], ctx: RunContext) -> Valida
         if probes is not None:
             log_json(client, run_id, probes, "grader_probes.json")
             log_metrics(client, run_id, {"validate/probes_paid": float(len(probes["flagged"])),
-                                         "validate/probes_tried": float(probes["tried"])})
+                                         "validate/probes_tried": float(probes["tried"]),
+                                         "validate/probes_errored": float(probes["errored"]),
+                                         "validate/probe_families_untested": float(len(probes["untested"]))})
+            if probes["untested"] or not probes["reads_known"]:
+                get_run_logger().warning("validate_data: the grader probes %s", probes["summary"])
         files = {"train": Path(data.train_file), "validation": Path(data.validation_file)}
         if data.test_file:
             files["test"] = Path(data.test_file)
         log_datasets(ctx, run_id, files)
         log_metrics(client, run_id, report.metrics())
         markdown = report.to_markdown()
+        if probes is not None:
+            markdown += f"\n## Grader probes\n\n{probes['summary'][0].upper()}{probes['summary'][1:]}.\n"
         log_text(client, run_id, markdown, "validation_report.md")
         log_json(client, run_id, {"suite": report.suite, "failures": report.failures,
                                   "datasets": [d.__dict__ for d in report.datasets]}, "validation_report.json")

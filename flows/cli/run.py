@@ -195,15 +195,53 @@ def train(config: ConfigOption, set_: SetOption = None,
     run(pipeline_config, model=model, output_dir=output_dir, mlflow_run_id=mlflow_run_id, resume=resume)
 
 
+@app.command(name="warm-start")
+def warm_start(config: ConfigOption, set_: SetOption = None,
+               model: Annotated[str | None, typer.Option(help="Model path or hub id (default: model.base_model).")] = None,
+               output_dir: Annotated[str | None, typer.Option(help="Default: warm_start.output_dir.")] = None,
+               mlflow_run_id: Annotated[str | None, typer.Option(help="Log metrics to this MLflow run.")] = None,
+               resume: Annotated[bool, typer.Option(help="Continue from the newest checkpoint.")] = False) -> None:
+    """The warm start alone: supervised fine-tuning on `warm_start.demonstrations_file`; launches
+    `accelerate` processes when the config asks for them."""
+    import subprocess
+
+    from trainer.rl.launch import launch_command, needs_launcher
+    from trainer.rl.warm_start import warm_start as fit
+
+    pipeline_config = _config(config, set_)
+    if needs_launcher(pipeline_config):
+        argv = ["--config", str(config), *(f"--set={a}" for a in set_ or []), *(["--model", model] if model else []),
+                *(["--output-dir", output_dir] if output_dir else []),
+                *(["--mlflow-run-id", mlflow_run_id] if mlflow_run_id else []), *(["--resume"] if resume else [])]
+        command, env = launch_command(pipeline_config, argv, command_name="warm-start")
+        raise typer.Exit(subprocess.call(command, env={**os.environ, **env}))
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    result = fit(pipeline_config, model_path=model or pipeline_config.model.base_model,
+                 output_dir=Path(output_dir or pipeline_config.warm_start.output_dir), mlflow_run_id=mlflow_run_id,
+                 resume=resume)
+    if state.is_main_process:
+        print(f"warm start: {result.steps} steps; " + ", ".join(
+            f"{k} {v:.4g}" for k, v in result.metrics.items() if k.startswith("warm_start/") and v is not None))
+        print(f"final model: {result.model_dir}")
+
+
 @app.command(name="eval")
 def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
              model: Annotated[str | None, typer.Option(help="Path, hub id or models:/ URI.")] = None,
              k: Annotated[int | None, typer.Option(help="Samples per item (default baseline.k).")] = None,
              max_items: Annotated[int | None, typer.Option(help="Items to evaluate.")] = None,
-             split: Annotated[str, typer.Option(help="validation or test.")] = "validation",
-             out: Annotated[Path, typer.Option(help="Output folder.")] = Path("runs/eval")) -> None:
+             split: Annotated[str, typer.Option(help="validation or test; with --benchmark also all.")] = "validation",
+             out: Annotated[Path, typer.Option(help="Output folder.")] = Path("runs/eval"),
+             benchmark: Annotated[str | None, typer.Option(
+                 help="bfcl: BFCL v4's single-turn categories, scored by BFCL's own checker (config "
+                      "envs/bfcl/benchmark.yaml unless --config; --split all is the leaderboard's set).")] = None,
+             ) -> None:
     """Evaluate a model: k rollouts per item of a split, with progress and a summary table."""
     import time
+    from contextlib import ExitStack
 
     from mlflow.entities import Metric
     from rich.console import Console
@@ -214,18 +252,32 @@ def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
     from trainer.data import split_items
     from trainer.rollout.evaluate import write_outputs
 
+    if benchmark not in (None, "bfcl"):
+        raise AgentRFTError(f"--benchmark must be bfcl, got {benchmark!r}")
+    if benchmark and config == Path(DEMO_CONFIG):
+        from envs.bfcl.benchmark import BENCHMARK_CONFIG
+
+        config = BENCHMARK_CONFIG
     c = _config(config, set_)
-    if split not in ("validation", "test"):
-        raise AgentRFTError(f"--split must be validation or test, got {split!r}")
-    items = split_items(c.data, split, max_items or c.baseline.max_items)
-    # What the stages call: `rollout.backend` (vLLM included) and every rollout setting mean the same here.
-    summary, records = evaluate_model(
-        model or c.model.base_model, items, tracking_uri=resolve_tracking_uri(c.mlflow.tracking_uri),
-        model_section=c.model, tools=c.tools, grader=c.grader, rollout=c.rollout, penalties=c.penalties,
-        k=k or c.baseline.k, seed=c.baseline.seed, prefix="eval", group_by=c.promotion.group_by,
-    )
+    if split not in ("validation", "test", *(["all"] if benchmark else [])):
+        raise AgentRFTError(f"--split must be validation or test{', or all' if benchmark else ''}, got {split!r}")
+    with ExitStack() as stack:
+        if benchmark:  # the rows checked against their pin, BFCL's grader and the tool server up
+            from envs.bfcl.benchmark import all_items
+            from envs.bfcl.environment import servers
+
+            stack.enter_context(servers(c))
+        limit = max_items or c.baseline.max_items
+        items = all_items(limit) if split == "all" else split_items(c.data, split, limit)
+        # What the stages call: `rollout.backend` (vLLM included) and every rollout setting mean the same here.
+        summary, records = evaluate_model(
+            model or c.model.base_model, items, tracking_uri=resolve_tracking_uri(c.mlflow.tracking_uri),
+            model_section=c.model, tools=c.tools, grader=c.grader, rollout=c.rollout, penalties=c.penalties,
+            k=k or c.baseline.k, seed=c.baseline.seed, prefix="eval",
+            group_by="category" if benchmark else c.promotion.group_by,
+        )
     paths = write_outputs(summary, records, out)
-    if split == "test":  # a reading of the test split: counted in the ledger and in MLflow
+    if split in ("test", "all"):  # a reading of the test split (BFCL's whole set holds it): ledger and MLflow
         from tasks.ledger import ledger_path, record_reading, tag_run
         from tasks.tracking import mlflow_client
 
@@ -233,12 +285,20 @@ def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
         client = mlflow_client(store)
         experiment = client.get_experiment_by_name(c.mlflow.experiment)
         run_id = client.create_run(experiment.experiment_id if experiment else client.create_experiment(
-            c.mlflow.experiment), run_name="eval (test split)", tags={"command": "agentrft eval --split test"}
+            c.mlflow.experiment), run_name=f"eval ({split} split)", tags={"command": f"agentrft eval --split {split}"}
         ).info.run_id
         client.log_batch(run_id, metrics=[Metric(key, float(value), int(time.time() * 1000), 0)
                                           for key, value in summary.metrics.items()])
-        found = record_reading(c.data, command="agentrft eval --split test", config=c.name,
-                               config_hash=c.section_hash(), config_written_hash=c.written_hash(), model=model or c.model.base_model, mlflow_run_id=run_id)
+        whole, split_file = split == "all", None
+        if whole:
+            from envs.bfcl.benchmark import ALL_FILE
+
+            split_file = str(ALL_FILE)
+        found = record_reading(c.data, command=f"agentrft eval --split {split}", config=c.name,
+                               config_hash=c.section_hash(), config_written_hash=c.written_hash(),
+                               model=model or c.model.base_model, mlflow_run_id=run_id,
+                               split_file=split_file,
+                               note="BFCL's whole set, the test split's entries among them" if whole else "")
         tag_run(client, run_id, found)
         client.set_terminated(run_id)
         if found is not None:
@@ -250,9 +310,18 @@ def evaluate(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
         table.add_row(name, f"{value:.4g}")
     table.add_row("status", json.dumps(summary.status_counts))
     table.add_row("grader errors", json.dumps(summary.grader_errors))
-    for group, mean in summary.group_means.items():
-        table.add_row(f"{c.promotion.group_by}: {group}", f"{mean:.4g}")
-    Console().print(table)
+    if benchmark:
+        from envs.bfcl.benchmark import accuracy_by_category, accuracy_table
+
+        by_category = accuracy_by_category(items, records)
+        (out / "bfcl_accuracy.json").write_text(json.dumps(by_category, indent=1) + "\n")
+        Console().print(table)
+        Console().print(accuracy_table(by_category, title=f"BFCL v4 accuracy by its own checker: {model or c.model.base_model} "
+                                                          f"({split}, {len(items)} entries x {k or c.baseline.k})"))
+    else:
+        for group, mean in summary.group_means.items():
+            table.add_row(f"{c.promotion.group_by}: {group}", f"{mean:.4g}")
+        Console().print(table)
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
 
 

@@ -64,14 +64,19 @@ def api(config: ConfigOption = Path(DEMO_CONFIG), set_: SetOption = None,
                                                                 "OpenAI's 512 MB); larger ones get a 413.")] = None,
         allow_unfenced_python_graders: Annotated[bool, typer.Option(
             help="Run python graders sent to the API where the kernel offers no Landlock fence (they could read "
-            "and write this server's files); off: refused with the reason.")] = False) -> None:
+            "and write this server's files); off: refused with the reason.")] = False,
+        allow_any_host: Annotated[bool, typer.Option(
+            help="Let jobs' tools and graders call any host this machine reaches (internal services, the cloud "
+            "metadata address); off: api.allowed_hosts, by default loopback and the hosts --config names.")]
+        = False) -> None:
     """Serve OpenAI's fine-tuning API (files, jobs, events, checkpoints, graders, models,
     chat completions): jobs are runs of the pipeline deployment, laid over --config."""
     from flows.openai_api.server import serve_api
     from trainer.api_key import resolve_api_key
 
     overrides = [*(set_ or []), *([f"api.max_file_bytes={max_file_bytes}"] if max_file_bytes else []),
-                 *(["api.allow_unfenced_python_graders=true"] if allow_unfenced_python_graders else [])]
+                 *(["api.allow_unfenced_python_graders=true"] if allow_unfenced_python_graders else []),
+                 *(["api.allow_any_host=true"] if allow_any_host else [])]
     serve_api(config, overrides, _config(config, overrides), host=host, port=port,
               api_key=resolve_api_key(api_key), prefect_port=prefect_port)
 
@@ -91,6 +96,9 @@ def serve_model(model: Annotated[str, typer.Option(help="Local path, hub id or m
                 max_len: Annotated[int, typer.Option(help="Context length served.")] = 4096,
                 max_queue: Annotated[int, typer.Option(help="Requests waiting beyond the engine's slots; more get a "
                                                             "429 with Retry-After.")] = 64,
+                max_json_bytes: Annotated[int, typer.Option(min=1, help="Largest chat completion request body; "
+                                                                 "larger ones get a 413 before they are read.")]
+                = 1024 * 1024,
                 api_key: Annotated[str | None, typer.Option(help="Require this key (or ${VAR}).")] = None,
                 tracking_uri: Annotated[str, typer.Option(help="MLflow store for models:/ URIs.")] =
                 "sqlite:///mlflow.db",
@@ -109,6 +117,7 @@ def serve_model(model: Annotated[str, typer.Option(help="Local path, hub id or m
     from trainer.serving.model_server import serve_model as serve_chat
 
     serve_chat(model, host=host, port=port, device=device, max_len=max_len, api_key=api_key, max_queue=max_queue,
+               max_json_bytes=max_json_bytes,
                tracking_uri=resolve_tracking_uri(tracking_uri), chat_format=chat_format,
                enable_thinking=enable_thinking, trace_to=resolve_tracking_uri(trace_to) if trace_to else None,
                trace_experiment=trace_experiment)

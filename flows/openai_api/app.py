@@ -16,6 +16,7 @@ loopback. Uploads and job records live under `<work_dir>/api/`.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from flows.openai_api.errors import ApiError, not_found
 from flows.openai_api.files import PURPOSES, FileTooLarge, public
+from flows.openai_api.jobs import check_outbound, grader_urls
 from flows.openai_api.multipart import receive_upload
 from flows.openai_api.runs import checkpoints
 from flows.openai_api.service import FineTuningApi, _page, grader_run_answer
@@ -40,7 +42,12 @@ def create_api_app(config: PipelineConfig, *, work_dir: Path, api_key: str | Non
     not set), storing under `work_dir`."""
     from trainer.graders import GraderConfigError, grade_async, sample_from_text, validate_grader
     from trainer.graders.context import GraderContext
-    from trainer.serving.model_server import chat_completion, parse_chat_request
+    from trainer.serving.model_server import (
+        BodyTooLarge,
+        capped_body,
+        chat_completion,
+        parse_chat_request,
+    )
 
     api = FineTuningApi(config, work_dir)
     app = FastAPI(title="agentrft fine-tuning API")
@@ -64,9 +71,16 @@ def create_api_app(config: PipelineConfig, *, work_dir: Path, api_key: str | Non
         message = f"Unknown request URL: {request.method} {request.url.path}" if exc.status_code == 404 else exc.detail
         return JSONResponse(ApiError(exc.status_code, str(message)).body(), status_code=exc.status_code)
 
-    async def json_body(request: Request) -> dict[str, Any]:
+    async def capped(request: Request) -> bytes:
         try:
-            body = await request.json()
+            return await capped_body(request, config.api.max_json_bytes, setting="api.max_json_bytes")
+        except BodyTooLarge as exc:
+            raise ApiError(413, str(exc), code="request_too_large") from None
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        raw = await capped(request)
+        try:
+            body = json.loads(raw)
         except ValueError:
             raise ApiError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -165,31 +179,36 @@ def create_api_app(config: PipelineConfig, *, work_dir: Path, api_key: str | Non
 
     # graders
 
-    def grader_of(body: dict[str, Any]) -> dict[str, Any]:
+    async def grader_of(body: dict[str, Any]) -> dict[str, Any]:
+        """The body's grader, checked: its fields, and every URL it would call against the
+        server's allowed hosts (a name is resolved: on a worker thread)."""
         grader = body.get("grader")
         try:
             validate_grader(grader)
         except GraderConfigError as exc:
             raise ApiError(400, f"grader: {exc}", param="grader", code="invalid_grader") from None
+        await blocking(check_outbound, api.outbound, grader_urls(grader, "grader"))
         return grader
 
     @app.post("/v1/fine_tuning/alpha/graders/validate")
     async def validate(request: Request) -> dict[str, Any]:
-        return {"grader": grader_of(await json_body(request))}
+        return {"grader": await grader_of(await json_body(request))}
 
     @app.post("/v1/fine_tuning/alpha/graders/run")
     async def run_grader(request: Request) -> dict[str, Any]:
         body = await json_body(request)
-        grader = grader_of(body)
+        grader = await grader_of(body)
         sample = body.get("model_sample")
         if not isinstance(sample, str):
             raise ApiError(400, "model_sample must be a string (the model's output text)", param="model_sample")
         api.check_python_graders(grader, "grader")
         fence = "best_effort" if api.settings.allow_unfenced_python_graders else "required"
+        # Checked again on the address each connection resolves to.
+        allowed = api.outbound.entries if api.outbound is not None else None
         started = time.perf_counter()
         try:
             result = await grade_async(grader, sample_from_text(sample), body.get("item") or {},
-                                       context=GraderContext(python_fence=fence))
+                                       context=GraderContext(python_fence=fence, allowed_hosts=allowed))
         except ConfigError as exc:
             raise ApiError(400, str(exc), param="grader", code="invalid_grader") from None
         return grader_run_answer(grader, result, time.perf_counter() - started)
@@ -209,7 +228,7 @@ def create_api_app(config: PipelineConfig, *, work_dir: Path, api_key: str | Non
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = parse_chat_request(await request.body())
+        body = parse_chat_request(await capped(request))
         if isinstance(body, Response):
             return body
         if not body.model:

@@ -8,15 +8,130 @@ import re
 import uuid
 from typing import Any
 
+from flows.openai_api.errors import ERROR_FLAGS, OPENAI_ERROR_FLAGS
 from flows.openai_api.jobs import PIPELINE_DEPLOYMENT_NAME, fine_tuned_name
 
-# Training and evaluation figures a checkpoint reports (MLflow name -> checkpoint metric).
+# A reinforcement checkpoint's metrics: OpenAI's names, then the project's figures beside them.
 CHECKPOINT_METRICS = {
-    "train/reward_mean": "train_reward_mean", "train/score_mean": "train_score_mean",
-    "train/tool_calls_mean": "train_tool_calls_mean", "train/tokens_mean": "train_tokens_mean",
-    "eval/reward_mean": "valid_reward_mean", "eval/score_mean": "valid_score_mean",
+    "train/loss": "train_loss", "train/reward_mean": "train_mean_reward", "eval/reward_mean": "valid_mean_reward",
+    "train/score_mean": "train_score_mean", "train/tool_calls_mean": "train_tool_calls_mean",
+    "train/tokens_mean": "train_tokens_mean", "eval/score_mean": "valid_score_mean",
     "eval/tool_calls_mean": "valid_tool_calls_mean", "eval/tokens_mean": "valid_tokens_mean",
 }
+# The prefixes of the training stage's per-step metrics that jobs read back.
+STEP_PREFIXES = ("train/", "eval/", "timing/", "progress/", "warm_start/")
+# A supervised job's (the warm start's) figures, OpenAI's names for them.
+SUPERVISED_METRICS = {
+    "warm_start/train_loss": "train_loss", "warm_start/train_mean_token_accuracy": "train_mean_token_accuracy",
+    "warm_start/valid_loss": "valid_loss", "warm_start/valid_mean_token_accuracy": "valid_mean_token_accuracy",
+}
+
+
+def job_stage(record: dict[str, Any]) -> str:
+    """The stage whose per-step metrics and models a job reports: the warm start for a
+    supervised job, the RFT training for a reinforcement job."""
+    return "warm_start" if record["method"].get("type") == "supervised" else "rft_training"
+
+
+def supervised_metrics(metrics: dict[str, float], step: int, total_steps: int | None) -> dict[str, Any]:
+    """A supervised job's `metrics` event `data` in OpenAI's shape (`step`, `total_steps`,
+    `train_loss`, `train_mean_token_accuracy`, `valid_loss`, `valid_mean_token_accuracy`,
+    `full_valid_loss`, `full_valid_mean_token_accuracy`), the warm start's MLflow metrics
+    beside them under `agentrft`. Validation runs over every validation demonstration, so the
+    `full_valid_*` figures are the `valid_*` ones."""
+    data: dict[str, Any] = {"step": step, "total_steps": total_steps}
+    data.update({ours: metrics.get(key) for key, ours in SUPERVISED_METRICS.items()})
+    data["full_valid_loss"], data["full_valid_mean_token_accuracy"] = data["valid_loss"], data["valid_mean_token_accuracy"]
+    data["agentrft"] = dict(metrics)
+    return {key: value for key, value in data.items() if value is not None}
+
+
+def supervised_message(data: dict[str, Any]) -> str:
+    """OpenAI's line for a supervised metrics event: `Step 3/6: training loss=0.47, validation
+    loss=0.51, full validation loss=0.51`."""
+    head = f"Step {data['step']}" + (f"/{data['total_steps']}" if data.get("total_steps") else "")
+    parts = [f"{label}={data[key]:.2f}" for key, label in (("train_loss", "training loss"), ("valid_loss", "validation loss"),
+                                                           ("full_valid_loss", "full validation loss")) if key in data]
+    return f"{head}: {', '.join(parts)}"
+
+
+def _grader_entries(grader: dict[str, Any]) -> list[tuple[str, str, str | None]]:
+    """(name, type, sub-reward metric or None) of each grader OpenAI reports on: a multi
+    grader's sub-graders, else the one grader."""
+    from trainer.rollout.evaluate import sub_reward_key
+
+    if grader.get("type") == "multi":
+        return [(name, str((sub or {}).get("type")), sub_reward_key(name))
+                for name, sub in (grader.get("graders") or {}).items()]
+    return [(str(grader.get("name") or ""), str(grader.get("type")), None)]
+
+
+def reinforcement_metrics(metrics: dict[str, float], step: int, total_steps: int | None,
+                          grader: dict[str, Any]) -> dict[str, Any]:
+    """A reinforcement job's `metrics` event `data` in the shape OpenAI's RFT guide shows
+    (`step`, `total_steps`, `scores`, `usage`, `errors`, `timing` and its top-level figures),
+    from one training step's MLflow metrics; those stay beside them under `agentrft`.
+    `valid_*` (and `full_valid_*`) are the step's evaluation on the `eval_samples` validation
+    items, present at evaluation steps only."""
+    splits = [(split, prefix) for split, prefix in (("train", "train/"), ("valid", "eval/"))
+              if f"{prefix}reward_mean" in metrics]
+    get = metrics.get
+
+    def count(prefix: str, key: str) -> float | None:
+        mean, rollouts = get(f"{prefix}{key}"), get(f"{prefix}rollouts")
+        return None if mean is None or rollouts is None else mean * rollouts
+
+    scores: dict[str, Any] = {f"{split}_reward_mean": get(f"{prefix}reward_mean") for split, prefix in splits}
+    scores["graders"] = [
+        {"name": name, "type": kind, **{f"{split}_reward_mean": get(f"{prefix}{key}" if key else f"{prefix}reward_mean")
+                                        for split, prefix in splits}}
+        for name, kind, key in _grader_entries(grader)]
+    samples: dict[str, Any] = {}
+    for split, prefix in splits:
+        for ours, theirs in (("reasoning_tokens_mean", "reasoning_tokens"), ("tokens_mean", "completion_tokens")):
+            samples[f"{split}_{theirs}_mean"] = get(f"{prefix}{ours}")
+            samples[f"{split}_{theirs}_count"] = count(prefix, ours)
+    errors: dict[str, Any] = {"name": str(grader.get("name") or ""), "type": str(grader.get("type"))}
+    for split, prefix in splits:
+        counts = dict.fromkeys(OPENAI_ERROR_FLAGS, 0.0)
+        for key, value in metrics.items():
+            if key.startswith(f"{prefix}grader_error/"):
+                counts[ERROR_FLAGS.get(key.rsplit("/", 1)[-1], "other_error")] += value
+        rollouts = max(get(f"{prefix}rollouts") or 0.0, 1.0)
+        for flag, n in counts.items():
+            errors[f"{split}_{flag}_mean"], errors[f"{split}_{flag}_count"] = n / rollouts, n
+    timing = {name: get(key) for name, key in (("sampling", "timing/sampling_s"), ("training", "timing/training_s"),
+                                               ("eval", "timing/eval_s"), ("full_iteration", "timing/step_s"))
+              if key in metrics}
+    data: dict[str, Any] = {
+        "step": step, "total_steps": total_steps, "scores": scores,
+        "usage": {"graders": [], "samples": samples}, "errors": {"graders": [errors]},
+        "timing": {"step": timing, "graders": []},
+        "train_mean_reward": get("train/reward_mean"), "full_valid_mean_reward": get("eval/reward_mean"),
+        "reasoning_tokens_mean": get("train/reasoning_tokens_mean"), "completion_tokens_mean": get("train/tokens_mean"),
+        "valid_reasoning_tokens_mean": get("eval/reasoning_tokens_mean"),
+        "full_valid_mean_parse_error": errors.get("valid_sample_parse_error_mean"),
+        "agentrft": dict(metrics),
+    }
+    return {key: value for key, value in data.items() if value is not None}
+
+
+def reinforcement_message(data: dict[str, Any]) -> str:
+    """OpenAI's line for a metrics event: `Step 10/20, train mean reward=0.42, full validation
+    mean reward=0.68`."""
+    parts = [f"Step {data['step']}" + (f"/{data['total_steps']}" if data.get("total_steps") else "")]
+    if "train_mean_reward" in data:
+        parts.append(f"train mean reward={data['train_mean_reward']:.2f}")
+    if "full_valid_mean_reward" in data:
+        parts.append(f"full validation mean reward={data['full_valid_mean_reward']:.2f}")
+    return ", ".join(parts)
+
+
+def total_steps(steps: dict[int, dict[str, Any]]) -> int | None:
+    """The training's planned steps, as its trainer logged them (`progress/total_steps`)."""
+    planned = [entry["metrics"]["progress/total_steps"] for entry in steps.values()
+               if "progress/total_steps" in entry["metrics"]]
+    return int(planned[-1]) if planned else None
 
 
 def start_flow_run(record: dict[str, Any]) -> str:
@@ -157,28 +272,29 @@ def pipeline_runs(record: dict[str, Any]) -> tuple[Any, list[Any]]:
     return client, sorted(parents, key=lambda r: r.info.start_time)
 
 
-def training_runs(client: Any, parents: list[Any]) -> list[str]:
-    """The rft_training runs the job's pipeline runs used or started, oldest first."""
+def training_runs(client: Any, parents: list[Any], stage: str = "rft_training") -> list[str]:
+    """The `stage` runs (rft_training, or a supervised job's warm_start) the job's pipeline
+    runs used or started, oldest first."""
     ids: list[str] = []
     for parent in parents:
-        linked = parent.data.tags.get("stage.rft_training.run_id")
+        linked = parent.data.tags.get(f"stage.{stage}.run_id")
         if linked:
             ids.append(linked)
             continue
         children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
-                                      " AND tags.stage = 'rft_training'")
+                                      f" AND tags.stage = '{stage}'")
         ids += [r.info.run_id for r in sorted(children, key=lambda r: r.info.start_time)]
     return list(dict.fromkeys(ids))
 
 
 def step_metrics(client: Any, run_ids: list[str]) -> dict[int, dict[str, Any]]:
-    """Per training step: its `train/` and `eval/` metrics and the time they were logged
-    (a resumed training's later runs win for the steps they repeat)."""
+    """Per training step: its metrics (STEP_PREFIXES) and the time they were logged (a
+    resumed training's later runs win for the steps they repeat)."""
     steps: dict[int, dict[str, Any]] = {}
     for run_id in run_ids:
         run = client.get_run(run_id)
         for key in run.data.metrics:
-            if not key.startswith(("train/", "eval/")):
+            if not key.startswith(STEP_PREFIXES):
                 continue
             for point in client.get_metric_history(run_id, key):
                 entry = steps.setdefault(point.step, {"metrics": {}, "timestamp": 0})
@@ -202,20 +318,33 @@ def job_result(record: dict[str, Any]) -> dict[str, Any] | None:
             "registered_model": record["parameters"]["config"]["promotion"]["registered_model"]}
 
 
+def _kept_models(client: Any, run_id: str, stage: str) -> list[tuple[int, str]]:
+    """(step, `models:/` URI) of the models a training run kept: the RFT training's ranked
+    checkpoints, or the warm start's one model (at its last step)."""
+    tags = client.get_run(run_id).data.tags
+    if stage == "warm_start":
+        steps = step_metrics(client, [run_id])
+        return [(max(steps), tags["model"])] if tags.get("model") and steps else []
+    return [(int(client.get_logged_model(uri.removeprefix("models:/")).name.rsplit("-", 1)[-1]), uri)
+            for key, uri in tags.items() if key.startswith("checkpoint_rank_")]
+
+
 def checkpoints(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The kept checkpoints (MLflow logged models of the training stage), newest step first."""
     client, parents = pipeline_runs(record)
-    runs = training_runs(client, parents)
+    stage = job_stage(record)
+    names = SUPERVISED_METRICS if stage == "warm_start" else CHECKPOINT_METRICS
+    runs = training_runs(client, parents, stage)
     metrics = step_metrics(client, runs)
     found: dict[int, dict[str, Any]] = {}
     for run_id in runs:
-        for key, uri in client.get_run(run_id).data.tags.items():
-            if not key.startswith("checkpoint_rank_"):
-                continue
+        for step, uri in _kept_models(client, run_id, stage):
             model = client.get_logged_model(uri.removeprefix("models:/"))
-            step = int(model.name.rsplit("-", 1)[-1])
             values = {"step": float(step)} | {
-                name: metrics.get(step, {}).get("metrics", {}).get(key) for key, name in CHECKPOINT_METRICS.items()}
+                name: metrics.get(step, {}).get("metrics", {}).get(key) for key, name in names.items()}
+            if stage == "warm_start":
+                values["full_valid_loss"] = values["valid_loss"]
+                values["full_valid_mean_token_accuracy"] = values["valid_mean_token_accuracy"]
             found[step] = {
                 "object": "fine_tuning.job.checkpoint", "id": f"ftckpt-{model.model_id.removeprefix('m-')[:24]}",
                 "created_at": int(model.creation_timestamp / 1000),

@@ -8,9 +8,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from flows.openai_api.coalesce import Coalesced, digest
-from flows.openai_api.errors import ApiError
+from flows.openai_api.errors import ERROR_FLAGS, OPENAI_ERROR_FLAGS, ApiError
 from flows.openai_api.files import FileStore
 from flows.openai_api.jobs import (
     ORGANIZATION,
@@ -19,48 +20,40 @@ from flows.openai_api.jobs import (
     check_method,
     content_problem,
     fine_tuned_name,
+    grader_urls,
     job_config,
+    method_of,
     new_job,
     split_checkpoint_name,
+    supervised_job_config,
+    supervised_method,
 )
 from flows.openai_api.runs import (
     checkpoints,
     flow_run_logs,
     flow_runs,
     job_result,
+    job_stage,
     job_status,
     pipeline_runs,
+    reinforcement_message,
+    reinforcement_metrics,
     release_model_lock,
     set_flow_run_cancelled,
     start_flow_run,
     step_metrics,
+    supervised_message,
+    supervised_metrics,
+    total_steps,
     training_eta,
     training_runs,
 )
 from trainer.config.pipeline import PipelineConfig
 from trainer.config.training import TrainingConfig, resolved_hyperparameters
+from trainer.config.warm_start import WarmStartConfig, resolved_warm_start
 from trainer.errors import ConfigError, DataError
-
-# Our grader error kinds -> OpenAI's graders/run `metadata.errors` flags.
-ERROR_FLAGS = {
-    "sample_parse_error": "sample_parse_error",
-    "invalid_variable_error": "invalid_variable_error",
-    "formula_parse_error": "formula_parse_error",
-    "reference_parse_error": "other_error",
-    "python_grader_runtime_error": "python_grader_runtime_error",
-    "python_grader_server_error": "python_grader_server_error",
-    "python_grader_timeout_error": "python_grader_server_error",
-    "model_grader_server_error": "model_grader_server_error",
-    "model_grader_refusal_error": "model_grader_refusal_error",
-    "model_grader_parse_error": "model_grader_parse_error",
-    "endpoint_grader_server_error": "unresponsive_reward_error",
-    "other_error": "other_error",
-}
-
-
-_FLAGS = ("formula_parse_error", "invalid_variable_error", "model_grader_parse_error", "model_grader_refusal_error",
-          "model_grader_server_error", "other_error", "python_grader_runtime_error", "python_grader_server_error",
-          "sample_parse_error", "truncated_observation_error", "unresponsive_reward_error")
+from trainer.graders.python_grader import require_fence
+from trainer.outbound import LOOPBACK, HostPolicy
 
 
 def _has_python_grader(grader: Any) -> bool:
@@ -83,7 +76,7 @@ def _page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[st
 
 def grader_run_answer(grader: dict[str, Any], result: Any, seconds: float) -> dict[str, Any]:
     """OpenAI's graders/run answer for one GraderResult."""
-    flags: dict[str, Any] = dict.fromkeys(_FLAGS, False)
+    flags: dict[str, Any] = dict.fromkeys(OPENAI_ERROR_FLAGS, False)
     for kind, message in result.errors.items():
         flag = ERROR_FLAGS.get(kind, "other_error")
         flags[flag] = True
@@ -101,17 +94,45 @@ def grader_run_answer(grader: dict[str, Any], result: Any, seconds: float) -> di
     }
 
 
+def own_hosts(config: PipelineConfig) -> list[str]:
+    """host:port of every URL the server's own config names: its tools, its grader's judges
+    and endpoints, its vLLM servers, and its tools.allowed_hosts."""
+    urls = [endpoint.server_url for endpoint in config.tools.endpoints] + config.rollout.vllm.urls
+    urls += [url for _, url in grader_urls(config.grader, "grader")]
+    entries = list(config.tools.allowed_hosts or [])
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.hostname:
+            host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+            entries.append(f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}")
+    return entries
+
+
+def outbound_policy(config: PipelineConfig) -> HostPolicy | None:
+    """The server's policy: None with api.allow_any_host; api.allowed_hosts where set; else
+    loopback and the hosts its own config names."""
+    if config.api.allow_any_host:
+        return None
+    if config.api.allowed_hosts is not None:
+        return HostPolicy(config.api.allowed_hosts)
+    return HostPolicy(dict.fromkeys([*LOOPBACK, *own_hosts(config)]))
+
+
 class FineTuningApi:
     """The state behind the routes: files, jobs, the server config, loaded models."""
 
     def __init__(self, config: PipelineConfig, work_dir: Path):
-        from trainer.graders.python_runner import landlock_abi
+        from trainer.graders.python_grader import fence_problems
 
         self.base = config.model_dump(mode="json")
         self.settings = config.api
-        # Graders sent over the network run fenced off the server's files (Landlock); where the
-        # kernel has no fence they are refused unless the operator accepts the risk.
-        self.python_graders_fenced = landlock_abi() > 0
+        # Graders sent over the network run fenced off the server's files (Landlock) and the
+        # network and processes (seccomp); where the machine cannot fence them they are refused
+        # unless the operator accepts the risk.
+        self.python_fence_problems = fence_problems()
+        self.python_graders_fenced = not self.python_fence_problems
+        # Where the requests that jobs and graders name may go (None: anywhere).
+        self.outbound = outbound_policy(config)
         self.files = FileStore(work_dir / "files", max_bytes=config.api.max_file_bytes)
         self.jobs = JobStore(work_dir / "jobs")
         self.validating = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validating-files")
@@ -129,7 +150,8 @@ class FineTuningApi:
             raise ApiError(400, "python graders are refused by this server: its kernel offers no Landlock file-system "
                            "fence, so a python grader could read and write the server's files (the MLflow store, the "
                            "registry's models, the code). Use another grader type, run the server on Linux 5.13 or "
-                           "later, or start it with --allow-unfenced-python-graders to accept that risk",
+                           "later, or start it with --allow-unfenced-python-graders to accept that risk ("
+                           + "; ".join(self.python_fence_problems) + ")",
                            param=param, code="python_grader_unfenced")
 
     def base_model_of(self, model: str) -> str:
@@ -177,11 +199,19 @@ class FineTuningApi:
         for key in ("model", "training_file"):
             if not body.get(key):
                 raise ApiError(400, f"{key} is required", param=key, code="missing_required_parameter")
-        rft = check_method(body)
-        self.check_python_graders(rft.get("grader"), "method.reinforcement.grader")
-        base_model = self.base_model_of(str(body["model"]))
-        config, notes = job_config(body, self.files, self.base, base_model=base_model,
-                                   allowed_tool_hosts=self.settings.allowed_tool_hosts)
+        section = check_method(body)
+        if method_of(body) == "supervised":
+            base_model = self.base_model_of(str(body["model"]))
+            config, notes = supervised_job_config(body, self.files, self.base, base_model=base_model)
+            body = {**body, "method": supervised_method(body)}
+        else:
+            self.check_python_graders(section.get("grader"), "method.reinforcement.grader")
+            base_model = self.base_model_of(str(body["model"]))
+            config, notes = job_config(body, self.files, self.base, base_model=base_model, policy=self.outbound)
+        if not self.settings.allow_unfenced_python_graders:
+            # In the job's config, so the requirement travels with it to any work pool (a
+            # training deployment's workers do not share this server's environment).
+            config = config.model_copy(update={"grader": require_fence(config.grader)})
         record = new_job(body, config, notes)
         self.jobs.save(record)
         self.validating.submit(self._validate_and_queue, record["id"], config)
@@ -244,11 +274,15 @@ class FineTuningApi:
                 fine_tuned = fine_tuned_name(record)
         if status in ("running", "succeeded", "failed", "cancelled", "paused") and record["flow_run_ids"]:
             client, parents = pipeline_runs(record)
-            steps = step_metrics(client, training_runs(client, parents))
+            steps = step_metrics(client, training_runs(client, parents, job_stage(record)))
             trained_tokens = int(sum(s["metrics"].get("train/tokens_mean", 0.0) * s["metrics"].get("train/rollouts", 0.0)
+                                     + s["metrics"].get("warm_start/tokens", 0.0)
                                      for s in steps.values())) if steps else None
         estimated_finish = training_eta(record["flow_run_ids"][-1]) if status == "running" else None
-        hyper = resolved_hyperparameters(TrainingConfig.model_validate(record["parameters"]["config"]["training"]))
+        if job_stage(record) == "warm_start":
+            hyper = resolved_warm_start(WarmStartConfig.model_validate(record["parameters"]["config"]["warm_start"]))
+        else:
+            hyper = resolved_hyperparameters(TrainingConfig.model_validate(record["parameters"]["config"]["training"]))
         return {
             "object": "fine_tuning.job", "id": record["id"], "created_at": record["created_at"],
             "model": record["model"], "organization_id": ORGANIZATION, "status": status, "error": error,
@@ -326,15 +360,18 @@ class FineTuningApi:
                                "message": log.message, "data": {"flow_run_id": str(log.flow_run_id)},
                                "type": "message"})
             client_, parents = pipeline_runs(record)
-            steps = step_metrics(client_, training_runs(client_, parents))
+            supervised = job_stage(record) == "warm_start"
+            steps = step_metrics(client_, training_runs(client_, parents, job_stage(record)))
+            planned, grader = total_steps(steps), record["parameters"]["config"]["grader"]
             for step, entry in steps.items():
-                metrics = entry["metrics"]
-                summary = ", ".join(f"{k} {metrics[k]:.4g}" for k in ("train/reward_mean", "train/score_mean",
-                                                                       "eval/reward_mean") if k in metrics)
+                if supervised and step == 0:  # OpenAI's supervised events start at step 1
+                    continue
+                data = (supervised_metrics(entry["metrics"], step, planned) if supervised
+                        else reinforcement_metrics(entry["metrics"], step, planned, grader))
+                message = supervised_message(data) if supervised else reinforcement_message(data)
                 events.append({"object": "fine_tuning.job.event", "id": f"ftevent-{job_id[6:18]}step{step:06d}",
                                "created_at": int(entry["timestamp"] / 1000), "level": "info",
-                               "message": f"Step {step}: {summary}", "data": {"step": step, **metrics},
-                               "type": "metrics"})
+                               "message": message, "data": data, "type": "metrics"})
         view = self.view(record)
         if view["status"] in ("succeeded", "failed", "cancelled"):
             message = {"succeeded": f"The job has successfully completed: {view['fine_tuned_model']}",

@@ -62,7 +62,7 @@ def test_served_deployment_runs_with_custom_parameters(harness, world, endpoints
         # The form: the whole config as typed fields, with their descriptions, the stages to
         # refresh and the stage to stop after (none: the whole pipeline).
         schema = deployment.parameter_openapi_schema
-        assert set(schema["properties"]) == {"config", "refresh", "stop_after"} and schema["required"] == ["config"]
+        assert set(schema["properties"]) == {"config", "refresh", "stop_after", "method"} and schema["required"] == ["config"]
         form = schema["definitions"]
         assert "prompt_optimization" in form["PipelineConfig"]["properties"]
         target = form["PromptOptimizationConfig"]["properties"]["target_score"]

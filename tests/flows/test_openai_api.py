@@ -4,7 +4,7 @@ The fast tests serve the API app on loopback with no Prefect server: files, grad
 and the job bodies refused before anything is stored. The integration test starts
 `agentrft api` itself on Prefect's test harness over the micro world (tests/pipeline_world.py:
 two training, two validation and six test items, three GRPO steps from the server's config)
-and runs the whole client script: upload, create, pause, resume, poll, events,
+and runs the whole client script: upload, create, pause, resume, kill -9 and restart, poll, events,
 checkpoints, graders, models, chat with tool calls, and a second job cancelled.
 """
 
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 import yaml
 
@@ -107,7 +108,9 @@ def test_bad_job_bodies_get_openai_errors_and_leave_nothing(api_client):
             client.fine_tuning.jobs.create(model=MODEL, training_file=train, **body)
         return _error(exc.value)
 
-    assert refused(method={"type": "supervised", "supervised": {}})["param"] == "method.type"
+    assert refused(method={"type": "distillation"})["param"] == "method.type"
+    dpo = refused(method={"type": "dpo", "dpo": {}})
+    assert dpo["param"] == "method.type" and "'dpo'" in dpo["message"] and "'reinforcement'" in dpo["message"]
     bad_grader = {"type": "reinforcement", "reinforcement": {"grader": {"type": "no_such_grader", "name": "x"}}}
     assert refused(method=bad_grader)["code"] == "invalid_grader"
     no_url = {"type": "reinforcement", "reinforcement": {"grader": GRADER, "tools": [{"name": "list"}]}}
@@ -171,6 +174,17 @@ def _wait(what: str, check, timeout: float, process: subprocess.Popen | None = N
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(1200)  # three pipeline runs (one paused, one cancelled) on a shared 2-core machine
 def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoints, taught_model):
@@ -229,16 +243,26 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
         assert resumed.status in ("queued", "running") and len(resumed.prefect_flow_run_ids) == 2
         assert any("Released the registered model's lock" in e.message for e in client.fine_tuning.jobs.list_events(job.id))
 
-        # kill -9 of the API server mid-job, then a restart: the job is read back from its record
-        # and Prefect, and its run goes on in the deployment server the first one left running.
-        serving = int((world / "runs" / "api" / "deployment.pid").read_text())
+        # kill -9 of the API server while the resumed run runs, then a restart: nothing it
+        # started is left (the runner and the run die with it: no run goes on unwatched); the
+        # restart marks the orphaned run Crashed and resumes the job, a third run.
+        with get_client(sync_client=True) as prefect:
+            _wait("the resumed run to start", lambda: prefect.read_flow_run(
+                resumed.prefect_flow_run_ids[-1]).state.is_running(), 300, server)
+        tree = [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
+        assert len(tree) >= 3  # the runner's guard, the runner, the resumed run
         server.kill()
         server.wait(timeout=60)
+        _wait("what the killed API started to die", lambda: not _alive(tree), 10, every=0.1)
         server = subprocess.Popen(command, cwd=REPO, env=env)
         _wait("the restarted API", answering, 300, server)
         back = client.fine_tuning.jobs.retrieve(job.id)
-        assert back.status in ("queued", "running") and back.prefect_flow_run_ids == resumed.prefect_flow_run_ids
-        assert int((world / "runs" / "api" / "deployment.pid").read_text()) == serving  # taken up, not doubled
+        assert back.status in ("queued", "running") and len(back.prefect_flow_run_ids) == 3
+        assert back.prefect_flow_run_ids[:2] == resumed.prefect_flow_run_ids
+        with get_client(sync_client=True) as prefect:
+            assert prefect.read_flow_run(resumed.prefect_flow_run_ids[-1]).state.is_crashed()
+        assert any("The API server was killed while the job ran" in e.message
+                   for e in client.fine_tuning.jobs.list_events(job.id, limit=100))
 
         # A second job, cancelled: cancelled in the API and in Prefect.
         other = client.fine_tuning.jobs.create(  # without a validation_file: the server config's
@@ -265,7 +289,10 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
         steps = sorted(e.data["step"] for e in events if e.type == "metrics")
         assert steps == [0, 1, 2, 3]  # step 0: the evaluation before the first update
         step3 = next(e for e in events if e.type == "metrics" and e.data["step"] == 3)
-        assert 0 <= step3.data["train/reward_mean"] <= 1 and "eval/score_mean" in step3.data
+        assert step3.data["total_steps"] == 3 and step3.message.startswith("Step 3/3, train mean reward=")
+        assert 0 <= step3.data["scores"]["train_reward_mean"] <= 1 and "valid_reward_mean" in step3.data["scores"]
+        assert step3.data["timing"]["step"]["sampling"] > 0
+        assert step3.data["agentrft"]["train/reward_mean"] == step3.data["scores"]["train_reward_mean"]
         messages = [e.message for e in events]
         assert any("reasoning_effort" in m for m in messages) and any("integrations" in m for m in messages)
         assert any("learning_rate_multiplier replaces" in m for m in messages)
@@ -276,6 +303,7 @@ def test_openai_sdk_runs_a_reinforcement_job_end_to_end(harness, world, endpoint
         checkpoint = checkpoints[0]
         assert checkpoint.fine_tuned_model_checkpoint == f"{done.fine_tuned_model}:ckpt-step-3"
         assert checkpoint.metrics.step == 3 and checkpoint.metrics.model_extra["valid_score_mean"] >= 0
+        assert checkpoint.metrics.model_extra["train_mean_reward"] == step3.data["scores"]["train_reward_mean"]
 
         models = {m.id: m for m in client.models.list()}
         assert "challenger" in models[done.fine_tuned_model].model_extra["aliases"]

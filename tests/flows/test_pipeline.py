@@ -13,6 +13,7 @@ the baseline.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import mlflow
@@ -22,7 +23,8 @@ import yaml
 from envs.finqa.generate import generate_dataset
 from tasks.data_version import add
 from tasks.expectations import derive_and_save
-from tasks.tracking import mlflow_client
+from tasks.tracking import git_commit, mlflow_client
+from tests.kernel_features import SUPPORTED, python_without
 from tests.pipeline_world import LEARNS, micro
 from trainer.data import read_items, read_jsonl
 
@@ -108,6 +110,8 @@ def test_first_run_records_six_stages_and_promotes(first_run):
     regression = stages["regression_eval"]
     [reading] = [r for r in ledger if r["mlflow_run_id"] == regression.info.run_id]
     assert reading["command"] == "regression_eval" and reading["config_hash"] == config.section_hash()
+    assert reading["config"] == config.name  # the config's name, as shift readings record it
+    assert reading["git_commit"] == git_commit()
     count = len([r for r in ledger[: ledger.index(reading) + 1] if r["split_sha256"] == reading["split_sha256"]])
     assert regression.data.tags["test_split.readings"] == str(count)
     report = Path(client.download_artifacts(regression.info.run_id, "regression_report.md")).read_text()
@@ -246,6 +250,44 @@ def test_drifted_data_stops_at_validation(harness, world, endpoints, taught_mode
     assert list(stages) == ["validate_data"] and stages["validate_data"].info.status == "FAILED"
     report = client.download_artifacts(stages["validate_data"].info.run_id, "validation_report.md")
     assert "expect_column_kl_divergence" in Path(report).read_text().lower().replace("kldivergence", "kl_divergence")
+
+
+@pytest.mark.skipif(not SUPPORTED, reason="the kernel features are taken away on x86_64 Linux")
+def test_a_hackable_python_grader_stops_at_validation_and_unfenced_is_said_once(
+        harness, world, endpoints, taught_model, monkeypatch):
+    """A python grader that pays the words "score: 1.0", on a kernel without Landlock: the
+    run says once, before its first stage and in its own log, that its python graders run
+    unfenced (not once per grade, nor only in the children's stderr), and validate_data
+    stops it naming the probe, the item and what the grader paid."""
+    from flows.pipeline import agent_rft_pipeline, pipeline_parameters
+
+    monkeypatch.delenv("AGENTRFT_PYTHON_GRADER_UNFENCED_SAID", raising=False)
+    monkeypatch.setattr(sys, "executable", str(python_without(world, "landlock")))
+    gullible = {"type": "python", "name": "gullible",
+                "source": "def grade(sample, item):\n    return 1.0 if 'score: 1.0' in sample['output_text'] else 0.0\n"}
+    config = micro(world, endpoints, taught_model, mlflow=_own_store(world), data={"probe_items": 1})
+    config = config.model_copy(update={"grader": gullible})  # whole: an override would merge into the numeric one
+    records = _Records()
+    loggers = [logging.getLogger(name) for name in ("prefect", "prefect.flow_runs", "prefect.task_runs",
+                                                    "trainer.graders.python_grader")]
+    for logger in loggers:
+        logger.addHandler(records)
+    try:
+        state = agent_rft_pipeline(**pipeline_parameters(config), return_state=True)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
+    assert state.is_failed() and state.name == "Stopped"
+    with pytest.raises(Exception, match=r"grader_pays_no_probe_beyond_its_plain_content.*probe judge_addressed.*"
+                                        r"item '[^']+': scored 1, its plain content 0"):
+        state.result()
+    # a record reaches the handler once for each logger it passes on its way up
+    said = [r.getMessage() for r in {id(r): r for r in records.records}.values() if "run unfenced" in r.getMessage()]
+    assert len(said) == 1 and "no Landlock" in said[0], said
+    client = mlflow_client(config.mlflow.tracking_uri)
+    parent = client.search_runs([client.get_experiment_by_name("micro").experiment_id],
+                                filter_string="tags.stopped_at = 'validate_data'", order_by=["start_time DESC"])[0]
+    assert parent.data.tags["python_grader_fence"].startswith("unfenced: no file-system fence")
 
 
 def test_failed_baseline_gate_stops_with_its_reason(harness, world, endpoints, taught_model):

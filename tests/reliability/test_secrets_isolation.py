@@ -205,9 +205,10 @@ def test_python_grader_attacks_are_grader_errors_not_scores() -> None:
     acceptor = threading.Thread(target=accept, daemon=True)
     acceptor.start()
     attacks = {
-        # the socket module is guarded in Python; `_socket` goes below it to the kernel
-        "socket": "import _socket\ndef grade(sample, item):\n"
-        f"    s = _socket.socket()\n    s.connect(('127.0.0.1', {port}))\n    return 1.0\n",
+        # `socket` and `_socket` are guarded in Python; their C type (socket.socket's base)
+        # goes below both, to the kernel
+        "socket": "import socket\ndef grade(sample, item):\n"
+        f"    s = socket.socket.__mro__[1]()\n    s.connect(('127.0.0.1', {port}))\n    return 1.0\n",
         # `posix.fork` is the builtin the Python guard replaced in `os` only: the kernel
         # filter must refuse it; bounded, in case it does not
         "fork_bomb": "import posix\ndef grade(sample, item):\n"

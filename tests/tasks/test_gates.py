@@ -9,6 +9,8 @@ with the default gates and refuse a clearly worse one.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -57,9 +59,10 @@ def _summary(prefix: str, scores: dict[str, float], *, calls: float, tokens: flo
 BASE = {"i1": 0.2, "i2": 0.4, "i3": 0.6, "i4": 0.5}
 
 
-def _gates(after_scores, *, calls=4.0, tokens=100.0, p50=1.0, groups=None, champion=None, hacks=None, **limits):
-    promotion = PromotionConfig(group_by="category" if groups else None, bootstrap_samples=500, **limits)
-    before = _summary("baseline", BASE, calls=4.0, tokens=100.0, p50=1.0, groups={"lookup": 0.5, "ratio": 0.3})
+def _gates(after_scores, *, calls=4.0, tokens=100.0, p50=1.0, groups=None, champion=None, hacks=None,
+           base_calls=4.0, promotion=None, **limits):
+    promotion = promotion or PromotionConfig(group_by="category" if groups else None, bootstrap_samples=500, **limits)
+    before = _summary("baseline", BASE, calls=base_calls, tokens=100.0, p50=1.0, groups={"lookup": 0.5, "ratio": 0.3})
     after = _summary("candidate", after_scores, calls=calls, tokens=tokens, p50=p50, groups=groups)
     vs_baseline = compare((before, "baseline"), (after, "candidate"), samples=500, seed=0)
     vs_champion = compare((_summary("champion", champion, calls=4, tokens=100, p50=1), "champion"),
@@ -86,6 +89,42 @@ def test_cost_gates_just_pass_at_their_limit_and_fail_above_it(gate, kwargs, lim
     assert _gates(better, **kwargs, **{limit_key: limit + 1e-9})[gate].passed
     assert not _gates(better, **kwargs, **{limit_key: limit - 1e-3})[gate].passed
     assert relative_change(4.0, 4.4) == pytest.approx(0.1) and relative_change(0.0, 0.0) == 0.0
+
+
+@pytest.mark.parametrize("base_calls", [0, 23, 24])
+def test_a_base_near_zero_tool_calls_is_judged_in_absolute_terms(base_calls):
+    """The real recipe (envs/units/smollm2.yaml): 240 base rollouts with 24 calls, a candidate
+    with one call a question. Relative to 24 calls that is +900.0%, exactly its limit; to 23,
+    +943% (refused, for one call fewer); to 0, infinite. Below the floor (one call a
+    rollout) the three are one judgement: the rise in calls against the allowed rise."""
+    from trainer.config.loading import load_config
+
+    recipe = load_config(Path(__file__).resolve().parents[2] / "envs" / "units" / "smollm2.yaml").promotion
+    better = {k: v + 0.1 for k, v in BASE.items()}
+    before = base_calls / 240
+    gate = _gates(better, calls=1.0, base_calls=before, promotion=recipe)["tool_calls"]
+    assert gate.passed and gate.value == pytest.approx(1.0 - before) and gate.limit == pytest.approx(9.0)
+    assert "in absolute terms" in gate.what and "tool_calls_floor" in gate.what
+    assert relative_change(before, 1.0) == (pytest.approx(9.0) if base_calls == 24 else
+                                            pytest.approx(1 / (23 / 240) - 1) if base_calls == 23 else float("inf"))
+    # the defaults allow a rise of 0.1 calls a rollout from such a base (10% of the floor): no more
+    assert _gates(better, calls=before + 0.1, base_calls=before)["tool_calls"].passed
+    refused = _gates(better, calls=before + 0.11, base_calls=before)["tool_calls"]
+    assert not refused.passed and refused.value == pytest.approx(0.11)
+    # an absolute gate beside it holds the candidate's own figure, whatever the base
+    capped = recipe.model_copy(update={"max_tool_calls_mean": 1.0})
+    assert _gates(better, calls=1.0, base_calls=before, promotion=capped)["tool_calls_absolute"].passed
+    over = _gates(better, calls=1.05, base_calls=before, promotion=capped)["tool_calls_absolute"]
+    assert not over.passed and over.value == 1.05 and over.limit == 1.0
+
+
+def test_absolute_gates_are_off_by_default_and_hold_each_cost():
+    better = {k: v + 0.1 for k, v in BASE.items()}
+    assert not [name for name in _gates(better) if name.endswith("_absolute")]
+    gates = _gates(better, tokens=120.0, p50=1.5, max_tokens_mean=119.0, max_latency_s_p50=1.5,
+                   max_tokens_increase=1.0, max_latency_increase=1.0)
+    assert gates["tokens"].passed and not gates["tokens_absolute"].passed  # the relative gate is not the cap
+    assert gates["latency_p50_absolute"].passed and gates["latency_p50_absolute"].value == 1.5
 
 
 def test_group_gate_uses_the_worst_group_and_is_skipped_without_group_by():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.ledger import readings, record_reading, split_digest
+from tasks.ledger import readings, record_reading, rename_config, split_digest, split_readings
+from tasks.tracking import commit_of, git_commit
 from trainer.config.data import DataConfig
 from trainer.data import read_items, read_jsonl
 
@@ -99,3 +100,70 @@ def test_a_config_is_the_same_config_when_only_a_default_was_added(tmp_path, dem
     third = record_reading(data, command="regression_eval", config="demo", config_hash="c" * 16,
                            config_written_hash=changed.written_hash(), model="m")
     assert len(third.configs) == 2 and "by 2 configs" in third.sentence()
+
+
+def test_a_reading_records_the_checkout_and_a_dirty_tree_as_dirty(tmp_path, demo_data_dir):
+    import subprocess
+
+    data = _data(tmp_path, demo_data_dir, 3)
+    record_reading(data, command="agentrft eval --split test", config="job", config_hash="a" * 16, model="m")
+    assert read_jsonl(Path(data.test_ledger))[0]["git_commit"] == git_commit() != ""  # never left empty
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    (repo / "f.txt").write_text("a")
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "f.txt"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert commit_of(repo) == head
+    (repo / "f.txt").write_text("b")
+    assert commit_of(repo) == head + "-dirty"
+
+
+def test_renaming_gives_one_config_one_name_and_rewrites_nothing_else(tmp_path, demo_data_dir):
+    """The regression stage used to record the MLflow experiment's name and shift readings the
+    config's: config 7c0907bc counted as two. The migration renames the rows recorded under the
+    old name and changes nothing else, byte for byte."""
+    data = _data(tmp_path, demo_data_dir, 3)
+    ledger = Path(data.test_ledger)
+    for name in ("agent-rft-demo", "finqa-demo"):
+        record_reading(data, command="regression_eval", config=name, config_hash="c" * 16,
+                       config_written_hash="7c0907bc" + "0" * 8, model="m", git_commit="abc")
+    # a row written by hand, in another layout, and one of another config: left exactly as they are
+    with ledger.open("a") as handle:
+        handle.write('{"split_sha256":"x", "config": "other-job",  "config_hash": ""}\n')
+        handle.write('{"split_sha256":"x","config":"agent-rft-demo","note":"kept"}\n')
+    before = ledger.read_text().splitlines(keepends=True)
+    split = split_digest(data)[0]
+    assert readings(ledger, split).configs == ["agent-rft-demo (7c0907bc)", "finqa-demo (7c0907bc)"]
+    assert rename_config(ledger, "finqa-demo", {"agent-rft-demo"}) == 2
+    after = ledger.read_text().splitlines(keepends=True)
+    assert len(after) == len(before) and [after[1], after[2]] == [before[1], before[2]]
+    for old, new in ((before[0], after[0]), (before[3], after[3])):
+        old_row, new_row = json.loads(old), json.loads(new)
+        assert new_row["config"] == "finqa-demo" and new_row["recorded_as"] == "agent-rft-demo"
+        assert {k: v for k, v in new_row.items() if k not in ("config", "recorded_as")} == \
+            {k: v for k, v in old_row.items() if k != "config"}
+        assert list(new_row)[: len(old_row)] == list(old_row)  # the fields in their order, recorded_as last
+    assert readings(ledger, split).configs == ["finqa-demo (7c0907bc)"]  # one config is one config
+    assert rename_config(ledger, "finqa-demo", {"agent-rft-demo"}) == 0  # run again: nothing to do
+    assert ledger.read_text().splitlines(keepends=True) == after
+
+
+def test_each_split_is_counted_by_name_and_the_retired_ones_too(tmp_path, demo_data_dir):
+    data = _data(tmp_path, demo_data_dir, 3)
+    shift = tmp_path / "shift.jsonl"
+    shift.write_text("".join(json.dumps(r) + "\n" for r in read_items(demo_data_dir / "test.jsonl", 2)))
+    (tmp_path / "old").mkdir()
+    retired = _data(tmp_path / "old", demo_data_dir, 5)  # a test split this config no longer reads
+    for _ in range(2):
+        record_reading(data, command="regression_eval", config="job", config_hash="a" * 16, model="m",
+                       split_file=str(shift))
+    record_reading(retired.model_copy(update={"test_ledger": data.test_ledger}), command="regression_eval",
+                   config="job", config_hash="a" * 16, model="m")
+    splits = split_readings(data, Path(data.test_ledger), {"later": str(shift), "unwritten": str(tmp_path / "no")})
+    by_name = {s["split"]: s for s in splits}
+    assert by_name["test"]["readings"] == 0 and by_name["later"]["readings"] == 2
+    assert by_name["unwritten"]["readings"] is None and "not found" in by_name["unwritten"]["unread_because"]
+    assert by_name["(no longer this config's)"]["readings"] == 1 and by_name["(no longer this config's)"]["items"] == 5

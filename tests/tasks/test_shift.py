@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tasks.shift import shift_evaluation
+from tasks.tracking import git_commit
 from tests.pipeline_world import micro
 from trainer.errors import ConfigError
 
@@ -29,5 +30,6 @@ def test_a_shift_reading_is_paired_and_counted_and_current_is_the_configs_prompt
     readings = [json.loads(line) for line in ledger.read_text().splitlines()]
     assert len(readings) == 1 and readings[0]["test_file"].endswith("test.jsonl")
     assert readings[0]["command"] == "agentrft shift later" and readings[0]["mlflow_run_id"] == result["mlflow_run_id"]
+    assert readings[0]["config"] == config.name and readings[0]["git_commit"] == git_commit()  # as regression_eval's
     assert result["name"] == "later" and result["measures"] == "a later period" and "read once" in result["readings"]
     assert result["comparison"]  # the paired comparison of the two models

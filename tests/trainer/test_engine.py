@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from trainer.errors import ConfigError
 from trainer.generation.backend import SamplingParams, TurnOutput
 from trainer.generation.engine import TransformersBackend
+from trainer.generation.kv_cache import prefix_block_keys
 from trainer.generation.sampling import (
     generate_all,
     sample_tokens,
@@ -401,3 +402,94 @@ def test_rejects_flash_attention_and_bad_params(qwen3):
     backend = TransformersBackend(qwen3, stop_token_ids=[])
     with pytest.raises(ValueError, match="vocabulary"):
         backend.submit("a", [VOCAB], SamplingParams())
+
+
+def grouped_prompts(shared: int, own: int, items: int, group: int) -> dict[str, list[int]]:
+    """`items` prompts that begin with the same `shared` tokens, each sampled `group` times."""
+    head = random_ids(shared, seed=7)
+    return {f"i{i}-{g}": head + random_ids(own + i, seed=20 + i) for i in range(items) for g in range(group)}
+
+
+def run_groups(model, prompts: dict[str, list[int]], *, prefix_cache_tokens: int, turns: int = 2,
+               temperature: float = 0.0, **kwargs) -> tuple[dict[str, list[list[int]]], TransformersBackend]:
+    """Every prompt through `turns` turns (each later turn appends the same tool tokens); the
+    sampled tokens of each turn, by sequence."""
+    backend = TransformersBackend(model, stop_token_ids=[], max_len=1024, prefix_cache_tokens=prefix_cache_tokens,
+                                  **kwargs)
+    params = SamplingParams(temperature=temperature, max_new_tokens=6, return_logits=True)
+    contexts = {seq_id: list(ids) for seq_id, ids in prompts.items()}
+    tokens: dict[str, list[list[int]]] = {seq_id: [] for seq_id in prompts}
+    for seq_id, ids in prompts.items():
+        backend.submit(seq_id, ids, params)
+    for turn in range(turns):
+        for out in drive(backend, len(prompts)):
+            check_turn_against_full_forward(model, contexts[out.seq_id], out, temperature=temperature or 1.0)
+            contexts[out.seq_id] += out.token_ids
+            tokens[out.seq_id].append(out.token_ids)
+            if turn + 1 < turns:
+                tool = random_ids(5, seed=turn)
+                contexts[out.seq_id] += tool
+                backend.submit(out.seq_id, tool, params)
+    return tokens, backend
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prefix_cache_gives_the_same_tokens_and_saves_the_shared_prompt(qwen3, temperature):
+    # 3 items of 4 samples, sharing a 40-token head: the first sample pre-fills, the others copy.
+    prompts = grouped_prompts(40, 21, items=3, group=4)
+    shared, backend = run_groups(qwen3, prompts, prefix_cache_tokens=4096, temperature=temperature)
+    unshared, plain = run_groups(qwen3, prompts, prefix_cache_tokens=0, temperature=temperature)
+    assert shared == unshared
+    stats = backend.prefix_stats()
+    assert stats["prompt_tokens"] == sum(len(p) for p in prompts.values())
+    # each prompt's whole blocks short of its last token: 3 blocks of the 61-63 tokens; the
+    # first item's first sample computes them, each other item its own 3rd block (the 2 of the
+    # shared head hit), each other sample all 3
+    assert stats["hit_tokens"] == 16 * (3 * 3 * 3 + 2 * 2)
+    assert plain.prefix_stats()["hit_tokens"] == 0 and plain.prefix_stats()["bytes"] == 0
+    assert stats["bytes"] > 0 and stats["evicted_blocks"] == 0
+
+
+def test_prefix_cache_is_bounded_and_evicts_the_least_recently_used(qwen3):
+    # Room for 4 blocks (79 tokens round down to 4 blocks of 16): item 0's 3 blocks, then
+    # items 1 and 2 each their third (the head's 2 are shared): item 2's evicts item 0's
+    # third, the least recently used block and the end of its chain.
+    prompts = grouped_prompts(40, 21, items=3, group=2)
+    bounded, backend = run_groups(qwen3, prompts, prefix_cache_tokens=4 * 16 + 15)
+    unshared, _ = run_groups(qwen3, prompts, prefix_cache_tokens=0)
+    assert bounded == unshared
+    stats = backend.prefix_stats()
+    assert stats["evicted_blocks"] == 1
+    keys = {seq_id: prefix_block_keys(ids, 3) for seq_id, ids in prompts.items()}
+    assert set(backend.cache.prefix.rows) == {*keys["i1-0"], *keys["i2-0"]}
+    # the second samples of items 1 and 2 copied all 3 blocks; item 0's second copied before
+    assert stats["hit_tokens"] == 16 * (3 + 2 + 3 + 2 + 3)
+    layers, kv_heads, head_dim = 2, 2, 16
+    assert stats["bytes"] == 4 * 16 * layers * 2 * kv_heads * head_dim * 4  # float32 keys and values
+
+
+def test_prefix_cache_on_sliding_window_layers_and_chunked_prefill():
+    model = tiny_qwen3(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    prompts = grouped_prompts(50, 30, items=2, group=3)
+    shared, backend = run_groups(model, prompts, prefix_cache_tokens=4096, prefill_chunk=16, max_prefill_tokens=48)
+    unshared, _ = run_groups(model, prompts, prefix_cache_tokens=0, prefill_chunk=16, max_prefill_tokens=48)
+    assert shared == unshared
+    assert backend.prefix_stats()["hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("tokens", [0, 32, 8192])
+def test_rollout_prefix_cache_tokens_bounds_the_trainers_engine(qwen3, tokens):
+    from tests.trainer.test_config import MINIMAL
+    from trainer.config.loading import config_from_dict
+    from trainer.rollout.generators import RolloutContext
+
+    config = config_from_dict({**MINIMAL, "rollout": {"prefix_cache_tokens": tokens}})
+    context = RolloutContext(chat=None, config=config, endpoints=[], settings=None, stop_token_ids=[])
+    backend = context.engine(qwen3, seed=0)
+    params = SamplingParams(temperature=0.0, max_new_tokens=2)
+    prompts = grouped_prompts(40, 21, items=1, group=3)
+    for seq_id, ids in prompts.items():
+        backend.submit(seq_id, ids, params)
+    drive(backend, len(prompts))
+    # the prompt's 3 whole blocks, as many as the bound holds, copied by the 2 later samples
+    assert backend.prefix_stats()["hit_tokens"] == 2 * 16 * min(3, tokens // 16)

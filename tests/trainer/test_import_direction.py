@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUMBING = {"errors", "data", "api_key", "memory", "progress", "plots", "quiet", "wire"}
+PLUMBING = {"errors", "data", "api_key", "memory", "progress", "plots", "quiet", "wire", "outbound", "lifeline"}
 
 # What each room of trainer/ may import besides itself (plumbing imports only plumbing).
 ALLOWED = {

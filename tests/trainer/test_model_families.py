@@ -151,13 +151,18 @@ def settings(**changed) -> RolloutSettings:
 
 
 def roll(backend, chat, item: dict, endpoints: list[ToolEndpoint], rollout: RolloutSettings) -> RolloutRecord:
+    (record,) = roll_group(backend, chat, item, endpoints, rollout, 1)
+    return record
+
+
+def roll_group(backend, chat, item: dict, endpoints: list[ToolEndpoint], rollout: RolloutSettings,
+               n: int) -> list[RolloutRecord]:
     async def go() -> list[RolloutRecord]:
         async with ToolClient(endpoints, TOOLS, max_output_chars=OUTPUT_CHARS) as client:
-            return await run_rollouts_async(backend, chat, [item], n_per_item=1, tool_client=client, grader=GRADER,
+            return await run_rollouts_async(backend, chat, [item], n_per_item=n, tool_client=client, grader=GRADER,
                                             settings=rollout, tools=TOOLS)
 
-    (record,) = asyncio.run(go())
-    return record
+    return asyncio.run(go())
 
 
 def trainer_logprobs(model: torch.nn.Module, record: RolloutRecord) -> list[float]:
@@ -202,8 +207,13 @@ def test_scripted_rollout_on_the_engine_is_token_exact(family, taught, world, en
     assert policy.chat.name == family  # auto picked it from the template
     item = read_items(world / "train.jsonl")[0]
     backend = policy.backend(max_slots=2, max_len=MAX_TOTAL_TOKENS, seed=0)
-    record = roll(backend, policy.chat, item, endpoints, settings())
-    check_scripted(record, policy.chat, family, messages, item)
+    # A group of 3 on 2 slots: the first sample pre-fills the prompt, the others start from
+    # the prefix cache (the third once the first leaves its slot); each is the script.
+    group = roll_group(backend, policy.chat, item, endpoints, settings(), 3)
+    for record in group:
+        check_scripted(record, policy.chat, family, messages, item)
+    assert backend.prefix_stats()["hit_tokens"] >= 2 * (group[0].gen_mask.index(1) - 16)
+    record = group[0]
     assert max_diff(sampled_logprobs(record), trainer_logprobs(policy.model, record)) < FP32_TOLERANCE
     metrics = summarize([record], prefix="eval").metrics
     assert metrics["eval/reasoning_tokens_mean"] == record.reasoning_tokens

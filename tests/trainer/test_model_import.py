@@ -89,3 +89,49 @@ def test_imports_that_cannot_work_say_why(tmp_path: Path):
         with pytest.raises(ConfigError, match=expected):
             import_model(gguf=path, out=tmp_path / architecture)
         assert not (tmp_path / architecture).exists()  # nothing half-written
+
+
+def _gguf(path: Path, architecture: str = "made-up-arch") -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_pinned_sha256_refuses_any_other_gguf(tmp_path: Path, capsys):
+    import hashlib
+
+    path = _gguf(tmp_path / "model.gguf")
+    actual = hashlib.sha256(path.read_bytes()).hexdigest()
+    other = "0" * 64
+    with pytest.raises(ConfigError, match=f"has sha256 {actual}, not the pinned {other}.*nothing was imported"):
+        import_model(gguf=path, out=tmp_path / "out", sha256=other)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="64 hex digits"):
+        import_model(gguf=path, out=tmp_path / "out", sha256="b179c952")
+    # the right pin passes: the import goes on, to the architecture this file cannot have
+    with pytest.raises(ConfigError, match="cannot dequantize"):
+        import_model(gguf=path, out=tmp_path / "out", sha256=actual.upper())
+    assert main(["model", "import", "--gguf", str(path), "--sha256", other]) == 2
+    assert f"not the pinned {other}" in capsys.readouterr().err
+
+
+def test_the_recipe_pins_its_gguf_and_refuses_a_folder_of_another(tmp_path: Path):
+    from envs.units.demo import MODEL_SHA256, ensure_model
+    from trainer.config.loading import config_from_dict
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "import.json").write_text(json.dumps({"package": PACKAGE, "gguf_sha256": "f" * 64}))
+    config = config_from_dict({"model": {"base_model": str(folder)}, "grader": {
+        "type": "numeric", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}})
+    with pytest.raises(ConfigError, match=f"not the recipe's pinned {MODEL_SHA256}; remove the folder"):
+        ensure_model(config, log=lambda _: None)
+    (folder / "import.json").write_text(json.dumps({"package": PACKAGE, "gguf_sha256": MODEL_SHA256}))
+    assert ensure_model(config, log=lambda _: None) == folder

@@ -71,3 +71,15 @@ def test_score_model_grader_uses_the_served_judge(served: str) -> None:
     result = grade(grader, {"output_text": "12.5"}, {"reference_answer": "12.5"})
     assert result.errors == {}
     assert result.reward == 1.0
+
+
+def test_a_chat_body_past_the_limit_gets_a_413_before_it_is_sent(served: str) -> None:
+    from tests.flows.test_api_outbound import send_big
+
+    for chunked in (False, True):
+        status, sent = send_big(served, "/v1/chat/completions", total=64 * 1024 * 1024, chunked=chunked)
+        assert status == 413 and sent < 16 * 1024 * 1024, (chunked, status, sent)
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="tiny-agent", messages=[{"role": "user", "content": "x" * 1_100_000}])
+    assert refused.value.status_code == 413 and "--max-json-bytes" in refused.value.message

@@ -104,7 +104,7 @@ def taught(world):
     return model, tokenizer, conversations
 
 
-def _run(taught, world, *, endpoints, settings=None, seed=0, temperature=0.0, n=1, items=None):
+def _run(taught, world, *, endpoints, settings=None, seed=0, temperature=0.0, n=1, items=None, grader=GRADER):
     model, tokenizer, _ = taught
     all_items, _ = world
     settings = settings or RolloutSettings(system_prompt=SYSTEM, temperature=temperature, max_new_tokens_per_turn=200)
@@ -116,7 +116,7 @@ def _run(taught, world, *, endpoints, settings=None, seed=0, temperature=0.0, n=
 
             return await run_rollouts_async(
                 backend, load_chat_format(tokenizer), items or all_items, n_per_item=n, tool_client=client,
-                grader=GRADER, settings=settings,
+                grader=grader, settings=settings,
             )
 
     return asyncio.run(go())
@@ -170,6 +170,22 @@ def test_with_feedback_a_malformed_call_is_answered_counted_and_charged(taught, 
     assert malformed.reward == pytest.approx(0.9)
     # and it counts against the budget: one call allowed, the broken one used it
     assert over.status == "over_budget" and over.tool_calls == []
+
+
+def test_the_sample_holds_every_call_the_model_wrote_with_its_turn(taught, world):
+    items, corpus = world
+    # The grader sees the calls as the model wrote them, each with its turn: those the loop ran
+    # and the one it stopped on at the turn limit (graded like the rest; a checker such as BFCL's
+    # judges what the model answered); a malformed call that parsed counts the same way.
+    seen = {"type": "python", "name": "calls", "source": (
+        "def grade(sample, item):\n"
+        "    calls = [(c['turn'], c['function']['name']) for c in sample['output_tools']]\n"
+        "    return 1.0 if calls == [(1, 'cat'), (2, 'list')] else 0.0\n")}
+    settings = RolloutSettings(system_prompt=SYSTEM, temperature=0.0, max_new_tokens_per_turn=200, max_turns=2)
+    with local_tool_endpoints(corpus) as endpoints:
+        (record,) = _run(taught, world, endpoints=endpoints, settings=settings, items=[items[1]], grader=seen)
+    assert record.status == "max_turns" and [c.name for c in record.tool_calls] == ["cat"]
+    assert record.score == 1.0, record.grader_errors
 
 
 def test_budget_stops_rollout_as_over_budget(taught, world):

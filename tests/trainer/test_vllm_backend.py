@@ -168,14 +168,31 @@ def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
+def prefix_cache_counters(generator: VllmGenerator) -> tuple[float, float]:
+    """The server's prefix-cache counters (tokens queried, tokens found), from its /metrics."""
+    text = httpx.get(f"{generator.servers.urls[0]}/metrics", timeout=10).text
+    totals = {}
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        totals[name] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
+
+
 def test_multi_turn_tool_rollouts_agree_with_the_transformers_engine(trainer: GRPOTrainer):
     generator = trainer.generator
     assert isinstance(generator, VllmGenerator) and generator.launched and generator.version == 0
+    assert "--enable-prefix-caching" in generator.launched[0].process.args
 
     # Sampled at temperature 1: the server's log-probabilities of its own tokens are the
     # trainer's, token by token, over prompts, tool outputs and turns.
+    queries, hits = prefix_cache_counters(generator)
     records = roll(trainer, generator.backend(seed=11), temperature=1.0, n=4)
     assert all(r.status != "infra_error" for r in records)
+    # Each item's 4 samples went out together: 3 of them found the prompt in the server's
+    # cache (whole blocks of it), and later turns their own earlier turns.
+    queried, found = (after - before for after, before in zip(prefix_cache_counters(generator), (queries, hits),
+                                                              strict=True))
+    prompt = min(r.gen_mask.index(1) for r in records)
+    assert found >= len(trainer.train_items) * 3 * (prompt - 16) and found / queried > 0.5
     multi_turn = [r for r in records if r.turns >= 2 and r.tool_calls]
     assert multi_turn, "the taught model calls a tool in most rollouts"
     model = policy(trainer)

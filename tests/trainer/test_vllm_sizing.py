@@ -73,3 +73,34 @@ def test_a_cpu_server_takes_half_the_cores_unbound_unless_the_environment_binds_
     assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]) == ("nobind", "1")
     monkeypatch.setattr(vllm_launch, "cuda_available", lambda: True)  # a GPU server: vLLM's own threads
     assert "OMP_NUM_THREADS" not in server_args(max_model_len=256)[1]
+
+
+def test_a_launch_caches_prefixes_unless_the_user_says_otherwise():
+    args, _ = server_args(max_model_len=256)
+    assert args.count("--enable-prefix-caching") == 1
+    args, _ = server_args(max_model_len=256, extra_args=["--no-enable-prefix-caching"])
+    assert "--enable-prefix-caching" not in args and args[-1] == "--no-enable-prefix-caching"
+
+
+def test_a_groups_samples_go_to_the_replica_that_holds_their_prompt():
+    from trainer.generation.backend import SamplingParams
+    from trainer.generation.vllm_backend import VllmBackend
+    from trainer.generation.vllm_servers import VllmServers
+
+    # No request is sent: each prompt is longer than max_len, so its turn is refused at
+    # submit, after the sequence was assigned its replica.
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    servers = VllmServers(urls, max_concurrent=2)
+    try:
+        backend = VllmBackend(servers, model="m", stop_token_ids=[0], max_len=4)
+        prompts = {"a-0": [1] * 8, "b-0": [2] * 8, "a-1": [1] * 8, "a-2": [1] * 8, "c-0": [3] * 8}
+        for seq_id, ids in prompts.items():
+            backend.submit(seq_id, ids, SamplingParams(max_new_tokens=4))
+        where = {seq_id: seq.url for seq_id, seq in backend._seqs.items()}
+        assert where["a-0"] == where["a-1"] == where["a-2"] == urls[0]
+        # b goes to the least loaded replica, c too (3 sequences on the first, 1 on the second)
+        assert where["b-0"] == where["c-0"] == urls[1]
+        assert servers._load == {urls[0]: 3, urls[1]: 2}
+        assert {t.finish_reason for t in backend.step()} == {"context"}
+    finally:
+        servers.close()

@@ -285,12 +285,14 @@ class ChatFormat(ABC):
     def written_turn(self, message: dict[str, Any]) -> str:
         """`message` as a model of this family writes it, stop token included."""
 
-    def encode_conversation(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-                            ) -> tuple[list[int], list[int]]:
+    def encode_conversation(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                            *, first: int | None = None) -> tuple[list[int], list[int]]:
         """Token ids of a whole conversation built as a rollout builds it (prompt, sampled
         turns, bridges) and the mask of the tokens a model samples (1) rather than reads (0).
-        Assistant turns after the first are followed by tool results only."""
-        first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+        The rollout starts at `messages[first]` (default: the first assistant turn), whatever
+        is before it being its prompt; assistant turns after it are followed by tool results only."""
+        if first is None:
+            first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
         ids = self.prompt_ids(messages[:first], tools)
         mask = [0] * len(ids)
         k = first

@@ -49,6 +49,13 @@ class DataConfig(Section):
     probe_items: int = Field(
         20, ge=0, description="Validation items the grader's reward-hacking probes run on in validate_data, before "
         "anything trains: a probe the grader pays beyond its plain content stops the pipeline (0: no probes).")
+    probe_max_error_share: float = Field(
+        0.25, ge=0, le=1, description="Share of the probes the grader may fail to grade (grader errors, never "
+        "scores) before the probe check fails: past it, the check tested too little to pass.")
+    corpus_dir: str | None = Field(
+        "auto", description="Folder of the documents the items' `gold_pages` name (the tools' corpus): the probes "
+        "paste an item's gold page and list its numbers. auto: the `corpus` folder beside the validation file, "
+        "when there is one; None: those probes have nothing to try (the report says so).")
     shift_evaluations: dict[str, ShiftEvaluation] = Field(
         default_factory=dict, description="Named splits that measure another question than the test split (later "
         "periods, new customers): read only by `agentrft shift NAME`, each reading counted in the test ledger.")

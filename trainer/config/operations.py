@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import warnings
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
 
 from trainer.config.section import Section
+from trainer.outbound import check_entries
 
 
 class MlflowConfig(Section):
@@ -60,12 +64,39 @@ class ApiConfig(Section):
     max_file_bytes: int = Field(
         512 * 1024 * 1024, ge=1, description="Largest upload (OpenAI: 512 MB); a larger one is a 413 and leaves "
         "nothing behind. `--max-file-bytes` overrides it.")
-    allowed_tool_hosts: list[str] | None = Field(
-        None, description="Hosts a job's tools may name in their server_url (None: any); a job naming another is "
-        "refused when it is made.")
+    max_json_bytes: int = Field(
+        1024 * 1024, ge=1, description="Largest JSON body of the other routes (jobs, graders, chat completions): "
+        "larger ones get a 413 before they are read whole.")
+    allowed_hosts: list[str] | None = Field(
+        None, description="Where the requests a job or a key holder names may go (tools' server_url, endpoint "
+        "graders' url, model graders' base_url): host, host:port or CIDR entries, checked when a job is made and "
+        "on the resolved address at connect time; link-local and metadata addresses only where named explicitly. "
+        "None: loopback (127.0.0.1, ::1, localhost) and the hosts this config names itself.")
+    allow_any_host: bool = Field(
+        False, description="Let jobs and graders call any host (no allowed_hosts check). `--allow-any-host` sets it.")
     allow_unfenced_python_graders: bool = Field(
         False, description="Run python graders sent to the API on a kernel without Landlock (no file-system fence): "
         "off, they are refused with the reason. `--allow-unfenced-python-graders` sets it.")
     max_chat_queue: int = Field(
         16, ge=1, description="Chat completions waiting per served model beyond those generating; more get a 429 "
         "with Retry-After.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, raw: Any) -> Any:
+        """`allowed_tool_hosts`, the old name (tools only), read as allowed_hosts."""
+        if isinstance(raw, dict) and "allowed_tool_hosts" in raw:
+            raw = dict(raw)
+            old = raw.pop("allowed_tool_hosts")
+            if old is not None:
+                if raw.get("allowed_hosts") is not None:
+                    raise ValueError("api.allowed_tool_hosts is the old name of api.allowed_hosts: give one of them")
+                warnings.warn("api.allowed_tool_hosts is deprecated: it is read as api.allowed_hosts, which covers "
+                              "graders too", DeprecationWarning, stacklevel=2)
+                raw["allowed_hosts"] = old
+        return raw
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _entries(cls, entries: list[str] | None) -> list[str] | None:
+        return check_entries(entries, "api.allowed_hosts")

@@ -18,6 +18,7 @@ from trainer.config.rollout import PenaltyConfig, RolloutConfig
 from trainer.config.section import Section
 from trainer.config.tools import ToolsConfig
 from trainer.config.training import TrainingConfig
+from trainer.config.warm_start import WarmStartConfig
 
 
 class PipelineConfig(Section):
@@ -37,6 +38,7 @@ class PipelineConfig(Section):
     penalties: PenaltyConfig = Field(default_factory=PenaltyConfig)
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
     prompt_optimization: PromptOptimizationConfig = Field(default_factory=PromptOptimizationConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     promotion: PromotionConfig = Field(default_factory=PromotionConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)

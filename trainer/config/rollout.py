@@ -57,6 +57,12 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     max_concurrent_rollouts: int = Field(64, ge=1, description="Rollouts decoding at once.")
+    prefix_cache_tokens: int = Field(
+        8192, ge=0, description="Embedded engine: tokens of prompt-prefix keys and values kept for a new rollout to "
+        "start from (the system prompt, tools and demonstrations every item shares; a group's whole prompt), so a "
+        "shared prefix is pre-filled once. Least recently used blocks of 16 tokens go first. Memory: this times "
+        "2 x layers x kv_heads x head_dim x dtype bytes (46 KB a token for SmolLM2-135M in float32). 0: off."
+    )
     on_malformed_call: Literal["end", "feedback"] = Field(
         "end", description="A tool call that does not parse, names an unknown tool or fails its schema: `end` "
         "stops the rollout and grades what it has; `feedback` answers the error to the model, counts the call "

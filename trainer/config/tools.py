@@ -17,6 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from trainer.config.section import Section
 from trainer.errors import AgentRFTError, ConfigError
+from trainer.outbound import check_entries, policy_of
+
+# The endpoint name that serves every tool without an endpoint of its own: for data whose rows
+# offer tools of their own (a benchmark with a thousand functions), one server that takes the
+# tool's name from the body (`POST /call`) rather than one entry per name.
+ANY_TOOL = "*"
 
 
 class ToolEndpoint(BaseModel):
@@ -24,7 +30,10 @@ class ToolEndpoint(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="Tool name, as in the tool's schema (`function.name`).")
+    name: str = Field(
+        description="Tool name, as in the tool's schema (`function.name`); `*` serves every tool "
+        "that has no endpoint of its own (the server reads the tool's name from the call's body)."
+    )
     server_url: str = Field(description="URL the tool calls are POSTed to (http or https).")
     headers: dict[str, str] = Field(
         default_factory=dict,
@@ -66,7 +75,7 @@ def tool_validators(
             raise error(f"{where}[{i}]: function.name is missing")
         if name in validators:
             raise error(f"{where}[{i}]: tool {name!r} is declared twice; keep one")
-        if endpoints is not None and name not in endpoints:
+        if endpoints is not None and name not in endpoints and ANY_TOOL not in endpoints:
             raise ConfigError(
                 f"{where}[{i}]: tool {name!r} is offered to the model but tools.endpoints "
                 f"has no endpoint for it; add a {{name, server_url}} entry"
@@ -106,24 +115,35 @@ class ToolsConfig(Section):
         "servers to take about 50."
     )
     allowed_hosts: list[str] | None = Field(
-        None, description="Allowlist of tool hosts; None allows only the configured endpoints."
+        None, description="Where tool calls may connect: host, host:port or CIDR entries (as api.allowed_hosts), "
+        "checked on each endpoint's URL when the config loads and on the resolved address at connect time; None: "
+        "the configured endpoints, wherever they are. `agentrft api` writes its own list here into every job."
     )
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _entries(cls, entries: list[str] | None) -> list[str] | None:
+        return check_entries(entries, "tools.allowed_hosts")
 
     @model_validator(mode="after")
     def _endpoints_and_schemas_agree(self) -> ToolsConfig:
         # Checked at load time so that a bad tool section fails `config validate` and every
         # stage before any model is loaded, not at the first rollout.
         names: set[str] = set()
+        policy = policy_of(self.allowed_hosts)
         for index, endpoint in enumerate(self.endpoints):
             where = f"tools.endpoints[{index}]"
             if endpoint.name in names:
                 raise ConfigError(f"{where}: tool {endpoint.name!r} has two endpoints; keep one")
             names.add(endpoint.name)
-            host = urlparse(endpoint.server_url).hostname
-            if self.allowed_hosts is not None and host not in self.allowed_hosts:
+            # The name alone here (no DNS lookup when a file loads); its addresses are checked
+            # when the connection is made.
+            refusal = policy.url_refusal(endpoint.server_url, resolve=False) if policy else None
+            if refusal:
                 raise ConfigError(
-                    f"{where}.server_url: host {host!r} of tool {endpoint.name!r} is not in "
-                    f"tools.allowed_hosts {self.allowed_hosts}; add it there or fix the URL"
+                    f"{where}.server_url: host {urlparse(endpoint.server_url).hostname!r} of tool "
+                    f"{endpoint.name!r} is not in tools.allowed_hosts "
+                    f"{self.allowed_hosts}: {refusal}; add it there or fix the URL"
                 )
         if self.schemas is not None:
             tool_validators(self.schemas, where="tools.schemas", endpoints=names or None)

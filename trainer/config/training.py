@@ -92,6 +92,13 @@ class TrainingConfig(Section):
         1, ge=1, description="Optimiser updates per pass over a step's rollouts (1: one update of the whole batch)."
     )
     micro_batch_size: int = Field(8, ge=1, description="Rollouts per forward/backward.")
+    shared_prefix: bool = Field(
+        True, description="Forward a group's shared prompt once per micro-batch, its rollouts packed after it under a "
+        "shared-prefix mask (micro-batches hold whole groups): the same log-probabilities and gradients as forwarding "
+        "each rollout whole, in P + G*R tokens instead of G*(P+R). Checked against the plain forward on the first "
+        "micro-batch; a model it does not hold for (attention other than sdpa or eager, linear-attention layers) "
+        "trains without it, and the log says why."
+    )
     logprob_chunk_tokens: int = Field(
         512, ge=16, description="Generated tokens per chunk of the output projection and log-softmax: the "
         "update holds at most two float32 [chunk, vocabulary] tensors at once (about 600 MiB at Qwen's 151,936)."

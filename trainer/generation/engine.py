@@ -11,6 +11,15 @@ module is the token-level engine under that loop (no tokenizer, no tools, no HTT
   appended tokens of sequences that were just (re)submitted, in a second forward call: sequences
   waiting on a tool simply are not in either call, and rejoin when `submit` gives their tokens
   (continuous batching);
+- a new sequence starts from the prefix cache: its prompt's longest cached prefix (in whole
+  blocks of 16 tokens: the system prompt, the tool schemas and demonstrations every item shares,
+  or a whole prompt that a group's samples share) is copied into its slot, and only the rest is
+  pre-filled. A prompt's first sequence pre-fills it and stores its blocks; the others that
+  share the prefix wait for that (a step or two) instead of computing it again. The cache holds
+  at most `prefix_cache_tokens` tokens of keys and values and evicts the least recently used
+  blocks; `prefix_stats()` counts what it saved. The prompt's last token is always pre-filled
+  (its logits give the first sample), and a later turn's pre-fill stays incremental, in the
+  sequence's own slot;
 - each row is written and read at its own positions: per-row `position_ids`, a 4-D additive
   attention mask over each row's valid keys, and a `transformers.Cache` subclass that scatters
   the new keys/values to `(slot, position)` and hands the attention the rows of this call;
@@ -34,7 +43,7 @@ finish while `step()` runs in a worker thread); they only queue commands that th
 applies. `step()` and `has_work()` belong to one driver thread.
 
 The model must use `sdpa` or `eager` attention (the 4-D mask) and be in `eval()` mode.
-After a weight update the cached keys/values are stale: release the sequences and start anew.
+After a weight update the cached keys/values (the prefix cache's too) are stale: start a new engine.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.generation.backend import GenerationBackend, SamplingParams, TurnOutput
-from trainer.generation.kv_cache import SlotKVCache, _ForwardPlan
+from trainer.generation.kv_cache import PREFIX_BLOCK, SlotKVCache, _ForwardPlan, prefix_block_keys
 from trainer.generation.sampling import _cache_kwarg, sample_tokens, sequence_generator
 
 
@@ -64,6 +73,11 @@ class _Sequence:
     turn_tokens: list[int] = field(default_factory=list)
     turn_logprobs: list[float] = field(default_factory=list)
     turn_logits: list[torch.Tensor] = field(default_factory=list)
+    # The prefix cache: the block keys of the prompt (set at its first pre-fill), the blocks this
+    # sequence pre-fills for the cache (index, key), and cached rows to copy into its slot.
+    block_keys: list[bytes] | None = None
+    leading: list[tuple[int, bytes]] = field(default_factory=list)
+    copy_rows: list[int] = field(default_factory=list)
 
 
 class TransformersBackend(GenerationBackend):
@@ -75,6 +89,9 @@ class TransformersBackend(GenerationBackend):
     prefill_chunk: appended tokens pre-filled per sequence per step (longer appends take several
     steps, so decoding sequences are not stalled by one long prompt). max_prefill_tokens: padded
     tokens in one prefill forward call (bounds the activations and the mask).
+    prefix_cache_tokens: tokens of prompt-prefix keys/values kept for new sequences to start
+    from (0: none, every prompt pre-filled whole); memory is this times the model's keys and
+    values per token (2 x layers x kv_heads x head_dim x dtype bytes).
     """
 
     def __init__(
@@ -87,6 +104,7 @@ class TransformersBackend(GenerationBackend):
         seed: int = 0,
         prefill_chunk: int = 512,
         max_prefill_tokens: int = 4096,
+        prefix_cache_tokens: int = 8192,
     ):
         config = model.config
         attn = config._attn_implementation
@@ -109,6 +127,8 @@ class TransformersBackend(GenerationBackend):
         ):
             if value < 1:
                 raise ConfigError(f"generation engine {name} must be >= 1, got {value}")
+        if prefix_cache_tokens < 0:
+            raise ConfigError(f"generation engine prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         self.model = model
         self.device = next(model.parameters()).device
         self.stop_token_ids = frozenset(stop_token_ids)
@@ -121,7 +141,10 @@ class TransformersBackend(GenerationBackend):
         self._layer_types = layer_types
         self._sliding_window = getattr(config, "sliding_window", None)
         self._cache_kw = _cache_kwarg(model)
-        self.cache = SlotKVCache(config.num_hidden_layers, max_slots, max_len)
+        self.cache = SlotKVCache(config.num_hidden_layers, max_slots, max_len, prefix_cache_tokens)
+        self._inflight: dict[bytes, str] = {}  # prefix block -> the sequence pre-filling it now
+        self.prefix_prompt_tokens = 0  # prompt tokens of the sequences started so far
+        self.prefix_hit_tokens = 0  # of them, copied from the prefix cache
 
         # Shared with submit/release (any thread); everything else is owned by step().
         self._lock = threading.Lock()
@@ -198,8 +221,19 @@ class TransformersBackend(GenerationBackend):
         return self._deliver(finished)
 
     def kv_cache_bytes(self) -> int:
-        """Bytes held by the KV cache now (it grows with the slots and lengths in use)."""
-        return self.cache.nbytes()
+        """Bytes held by the KV cache now (it grows with the slots and lengths in use), the
+        prefix cache's included."""
+        return self.cache.nbytes() + self.cache.prefix.nbytes()
+
+    def prefix_stats(self) -> dict[str, float]:
+        """What the prefix cache saved: prompt tokens of the sequences started, those copied
+        from the cache instead of pre-filled, the blocks evicted, the cache's bytes."""
+        return {
+            "prompt_tokens": self.prefix_prompt_tokens,
+            "hit_tokens": self.prefix_hit_tokens,
+            "evicted_blocks": self.cache.prefix.evicted_blocks,
+            "bytes": self.cache.prefix.nbytes(),
+        }
 
     # -- scheduling ------------------------------------------------------------------------------
 
@@ -229,6 +263,7 @@ class TransformersBackend(GenerationBackend):
         if seq is None or seq.epoch != epoch:
             return
         del self._seqs[seq_id]
+        self._drop_lead(seq)
         if seq.slot is None:
             self._queue.remove(seq)
         else:
@@ -242,14 +277,64 @@ class TransformersBackend(GenerationBackend):
         for seq in self._seqs.values():
             if seq.state != "prefill":
                 continue
-            chunk = seq.pending[: self.prefill_chunk]
+            pending, cached = seq.pending, None
+            if seq.length == 0 and self.cache.prefix.enabled:
+                cached = self._cached_prefix(seq)
+                if cached is None:
+                    continue  # another sequence is pre-filling its prefix now
+                pending = pending[len(cached) * PREFIX_BLOCK :]
+            chunk = pending[: self.prefill_chunk]
             new_width = max(width, len(chunk))
             if rows and new_width * (len(rows) + 1) > self.max_prefill_tokens:
                 break
+            if cached is not None:
+                self._start_from_prefix(seq, cached)
             rows.append(seq)
             chunks.append(chunk)
             width = new_width
         return rows, chunks
+
+    def _cached_prefix(self, seq: _Sequence) -> list[int] | None:
+        """The prefix-cache rows of a new sequence's prompt's longest cached prefix; None (it
+        waits) when another sequence is pre-filling the next block of that prefix now."""
+        if seq.block_keys is None:
+            # Whole blocks, short of the last token: its logits give the first sample.
+            seq.block_keys = prefix_block_keys(seq.pending, (len(seq.pending) - 1) // PREFIX_BLOCK)
+        keys = seq.block_keys
+        rows = self.cache.prefix.match(keys)
+        if len(rows) < len(keys) and keys[len(rows)] in self._inflight:
+            return None
+        return rows
+
+    def _start_from_prefix(self, seq: _Sequence, rows: list[int]) -> None:
+        """Start a new sequence from the cached blocks `rows` (copied into its slot by the
+        next forward call); it pre-fills the rest of its prompt's blocks for the cache."""
+        keys, hit = seq.block_keys, len(rows)
+        for index in range(hit, len(keys)):
+            if self._inflight.setdefault(keys[index], seq.seq_id) == seq.seq_id:
+                seq.leading.append((index, keys[index]))
+        self.prefix_prompt_tokens += len(seq.pending)
+        self.prefix_hit_tokens += hit * PREFIX_BLOCK
+        if hit:
+            seq.copy_rows = rows
+            seq.length = hit * PREFIX_BLOCK
+            seq.pending = seq.pending[seq.length :]
+
+    def _store_prefix(self, seq: _Sequence) -> None:
+        """Put the blocks this sequence pre-fills for the cache there once they are in its slot."""
+        done = [(index, key) for index, key in seq.leading if (index + 1) * PREFIX_BLOCK <= seq.length]
+        if not done:
+            return
+        seq.leading = seq.leading[len(done) :]
+        self.cache.store_prefix([seq.slot] * len(done), [i for i, _ in done], [k for _, k in done], seq.block_keys)
+        for _, key in done:
+            self._inflight.pop(key, None)
+
+    def _drop_lead(self, seq: _Sequence) -> None:
+        for _, key in seq.leading:
+            if self._inflight.get(key) == seq.seq_id:
+                del self._inflight[key]
+        seq.leading = []
 
     # -- one forward call ------------------------------------------------------------------------
 
@@ -266,6 +351,8 @@ class TransformersBackend(GenerationBackend):
         for seq, chunk in zip(rows, chunks, strict=True):
             seq.length += len(chunk)
             seq.pending = seq.pending[len(chunk) :]
+            if seq.leading:
+                self._store_prefix(seq)
         if not sampling:
             return []
         picked = logits[sampling]
@@ -342,6 +429,9 @@ class TransformersBackend(GenerationBackend):
 
         dev = self.device
         self.cache.reserve(int(slots.max()) + 1, kv_len)
+        copies = [(s.slot, row, j) for s in rows for j, row in enumerate(s.copy_rows)]
+        for s in rows:
+            s.copy_rows = []
         self.cache.plan = _ForwardPlan(
             slots=slots.to(dev),
             first_slot=first if consecutive else None,
@@ -351,6 +441,11 @@ class TransformersBackend(GenerationBackend):
             write_pos=positions[write_row, write_col].to(dev),
             kv_len=kv_len,
         )
+        if copies:
+            copy_slot, copy_rows, block = (torch.tensor(c) for c in zip(*copies, strict=True))
+            self.cache.plan.copy_slot = copy_slot[:, None].to(dev)
+            self.cache.plan.copy_pos = (block[:, None] * PREFIX_BLOCK + torch.arange(PREFIX_BLOCK)).to(dev)
+            self.cache.plan.copy_rows = copy_rows.to(dev)
         positions = positions.to(dev)
         key_pos = torch.arange(kv_len, device=dev)
         dtype = self.model.dtype

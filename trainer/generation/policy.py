@@ -55,10 +55,12 @@ class Policy:
             ids.update(extra)
         return sorted(i for i in ids if i is not None)
 
-    def backend(self, *, max_slots: int = 64, max_len: int = 2048, seed: int = 0) -> TransformersBackend:
+    def backend(self, *, max_slots: int = 64, max_len: int = 2048, seed: int = 0,
+                prefix_cache_tokens: int = 8192) -> TransformersBackend:
         self.model.eval()
         return TransformersBackend(
-            self.model, stop_token_ids=self.stop_token_ids, max_slots=max_slots, max_len=max_len, seed=seed
+            self.model, stop_token_ids=self.stop_token_ids, max_slots=max_slots, max_len=max_len, seed=seed,
+            prefix_cache_tokens=prefix_cache_tokens,
         )
 
 

@@ -13,8 +13,13 @@ reports log_softmax(logits / temperature), which is our engine's definition as l
 top-p and top-k are off (with them vLLM renormalizes over the kept tokens, ours does not);
 the default `raw_logprobs` would be at temperature 1.
 
-Several servers (replicas) share the rollouts: a new sequence goes to the replica with
-the fewest live sequences and stays there (its cached prefix is there), and every request
+Launched servers run with `--enable-prefix-caching`. A group's samples of one prompt are
+submitted together (the agent loop starts every rollout at once, and each submission is a
+request on the pool at once), so vLLM computes the prompt once and the group's other
+requests hit its cache. Several servers (replicas) share the rollouts: a new sequence goes
+to the replica that holds a live sequence of the same prompt (a group stays on one replica,
+where its prompt is cached), else to the one with the fewest live sequences, and stays
+there (its cached prefix is there); every request
 carries vLLM's session header `X-Session-ID` with the sequence's key, so a router in front
 of many replicas can keep a rollout on one of them too. Each turn is sampled with a seed
 derived from (backend seed, seq id, turn), so a run is reproducible up to the kernels'
@@ -83,6 +88,7 @@ class _Sequence:
     key: str  # what the servers see of it (session header)
     url: str
     epoch: int
+    prompt: str = ""  # digest of its first submission (a group's samples share it)
     tokens: list[int] = field(default_factory=list)
     turns: int = 0
     busy: bool = False
@@ -125,7 +131,9 @@ class VllmBackend(GenerationBackend):
                 if not append_ids:
                     raise ValueError(f"new sequence {seq_id!r} needs a non-empty prompt")
                 self._epochs += 1
-                seq = _Sequence(f"{self._prefix}/{seq_id}", self.servers.assign(), self._epochs)
+                prompt = hashlib.sha256(repr(append_ids).encode()).hexdigest()
+                same = next((s.url for s in self._seqs.values() if s.prompt == prompt), None)
+                seq = _Sequence(f"{self._prefix}/{seq_id}", self.servers.assign(prefer=same), self._epochs, prompt)
                 self._seqs[seq_id] = seq
             total = len(seq.tokens) + len(append_ids)
             if total + 1 > self.max_len:  # no room for one generated token: refuse, append nothing

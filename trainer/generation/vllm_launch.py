@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+import trainer.lifeline as lifeline
 from trainer.api_key import resolve_api_key
 from trainer.errors import ConfigError, InfraError
 
@@ -132,8 +133,9 @@ def launched_server(
     started = time.monotonic()
     offset = log_path.stat().st_size if log_path.is_file() else 0
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                   start_new_session=True)  # its own process group: stopped as one
+        # Under a guard (trainer/lifeline.py): its own process group, stopped as one, and gone
+        # with this process however this process ends (a killed flow run leaves no server).
+        process = lifeline.start(command, grace=30.0, stdout=log, stderr=subprocess.STDOUT, env=child_env)
     try:
         while True:
             if process.poll() is not None:
@@ -261,6 +263,10 @@ def server_args(
     if nccl:
         args += ["--weight-transfer-config", '{"backend": "nccl"}']
     given = {a.split("=")[0] for a in extra_args}
+    if not given & {"--enable-prefix-caching", "--no-enable-prefix-caching"}:
+        # vLLM 0.32 turns it on for the models that support it; said here, so that a server
+        # that cannot share a group's prompt fails to start rather than recompute it 8 times.
+        args += ["--enable-prefix-caching"]
     if not cuda_available() and not given & {"--enable-chunked-prefill", "--no-enable-chunked-prefill"}:
         # vLLM's CPU build cannot rewind a seeded request's generator ("CPU Generator does not
         # use offset"), which it does when a prompt is prefilled in chunks and the token

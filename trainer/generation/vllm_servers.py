@@ -131,12 +131,16 @@ class VllmServers:
         except httpx.HTTPError:
             return False
 
-    def assign(self, avoid: str | None = None) -> str:
-        """The alive replica with the fewest live sequences (the first of equals), counted as one more."""
+    def assign(self, avoid: str | None = None, prefer: str | None = None) -> str:
+        """`prefer` when it is alive, else the alive replica with the fewest live sequences
+        (the first of equals); counted as one more."""
         with self._lock:
             alive = [u for u in self.urls if u not in self._dead]
             if not alive:
                 raise self.no_replica()
+            if prefer in alive and prefer != avoid:
+                self._load[prefer] += 1
+                return prefer
             candidates = [u for u in alive if u != avoid] or alive
             url = min(candidates, key=lambda u: self._load[u])
             self._load[url] += 1

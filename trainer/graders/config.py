@@ -21,12 +21,13 @@ import ast
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from trainer.errors import ConfigError
 from trainer.graders.expression import parse_formula
 from trainer.graders.result import GraderError
 from trainer.graders.templates import check_template
+from trainer.outbound import check_entries
 
 GRADER_TYPES = (
     "string_check",
@@ -117,6 +118,15 @@ class _ModelGrader(_Grader):
     api_key_env: str = Field(
         "OPENAI_API_KEY", description="(ours) Environment variable holding the judge's API key."
     )
+    allowed_hosts: list[str] | None = Field(
+        None, description="(ours) Hosts this grader may call (host, host:port or CIDR entries, as api.allowed_hosts), "
+        "checked again on the resolved address at connect time; None: any. `agentrft api` writes its own list here "
+        "into the graders of the jobs it accepts, so the limit travels with the job to any work pool.")
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _entries(cls, entries: list[str] | None) -> list[str] | None:
+        return check_entries(entries, "allowed_hosts")
 
 
 class ScoreModelGrader(_ModelGrader):
@@ -136,6 +146,11 @@ class PythonGrader(_Grader):
     source: str = Field(description="Python source defining grade(sample, item) -> float.")
     image_tag: str | None = Field(None, description="OpenAI's runtime image; accepted, unused.")
     pass_threshold: float | None = None
+    fence: Literal["required", "best_effort"] | None = Field(
+        None, description="(ours) required: the grader runs only inside its fence (Landlock on the file system, a "
+        "seccomp filter on processes and sockets) and is an error where the machine cannot put it in place; "
+        "best_effort or unset: it runs behind the fences that hold, and the run says once which did not. "
+        "`agentrft api` sets required on the graders of the jobs it accepts.")
 
 
 class EndpointGrader(_Grader):
@@ -145,6 +160,15 @@ class EndpointGrader(_Grader):
         default_factory=dict, description="HTTP headers; values may name ${ENV_VARS}."
     )
     pass_threshold: float | None = None
+    allowed_hosts: list[str] | None = Field(
+        None, description="(ours) Hosts this grader may call (host, host:port or CIDR entries, as api.allowed_hosts), "
+        "checked again on the resolved address at connect time; None: any. `agentrft api` writes its own list here "
+        "into the graders of the jobs it accepts, so the limit travels with the job to any work pool.")
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _entries(cls, entries: list[str] | None) -> list[str] | None:
+        return check_entries(entries, "allowed_hosts")
 
 
 class NumericGrader(_Grader):

@@ -9,9 +9,9 @@ and memory limits, and which hosts graders may call. Every field has a default t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 from trainer.graders.result import GraderError
+from trainer.outbound import HostPolicy, policy_of
 
 
 @dataclass(frozen=True)
@@ -38,22 +38,29 @@ class GraderContext:
     python_memory_mb: int = 512
     """Address-space limit (RLIMIT_AS) of the python grader's process."""
     python_fence: str | None = None
-    """`required`: a python grader runs only inside the Landlock file-system fence (graders
-    that arrive over the network); `best_effort`: fenced where the kernel can; None: as the
-    environment says (`AGENTRFT_PYTHON_GRADER_FENCE`, which `agentrft api` sets for its jobs)."""
+    """`required`: a python grader runs only inside its fence (graders that arrive over the
+    network); `best_effort`: fenced where the machine can; None: as the grader's own `fence`
+    and the environment say (`AGENTRFT_PYTHON_GRADER_FENCE`). The strictest setting wins."""
     allowed_hosts: tuple[str, ...] | None = None
-    """Hosts that score_model, label_model and endpoint graders may call; None allows any.
-    Training jobs that must not reach the internet list their loopback judges here."""
+    """Where score_model, label_model and endpoint graders may connect (host, host:port or
+    CIDR entries, `trainer.outbound`); None allows any. A grader's own `allowed_hosts` holds
+    as well: a request must pass both. Checked on the URL and again on the address it
+    resolves to when the connection is made."""
 
-    def check_host(self, url: str) -> None:
-        """Raise GraderError(other_error) when `url`'s host is not allowed."""
-        if self.allowed_hosts is None:
-            return
-        host = urlparse(url).hostname or ""
-        if host not in self.allowed_hosts:
-            allowed = ", ".join(self.allowed_hosts) or "(none)"
-            raise GraderError(
-                "other_error",
-                f"host {host!r} is not in the allowed hosts ({allowed}); "
-                "add it to GraderContext.allowed_hosts to let graders call it",
-            )
+    def policies(self, grader_hosts: list[str] | None = None) -> list[HostPolicy]:
+        """The policies a grader's request must pass: the context's and the grader's own."""
+        return [p for p in (policy_of(self.allowed_hosts), policy_of(grader_hosts)) if p is not None]
+
+    def check_host(self, url: str, grader_hosts: list[str] | None = None) -> None:
+        """Raise GraderError(other_error) when `url` is refused by an allowed-hosts policy."""
+        from trainer.graders.http_post import without_query
+
+        for policy in self.policies(grader_hosts):
+            refusal = policy.url_refusal(url)
+            if refusal:
+                raise GraderError(
+                    "other_error",
+                    f"{without_query(url)} is refused: {refusal}; allow it in the allowed hosts "
+                    "(api.allowed_hosts, the grader's allowed_hosts or GraderContext.allowed_hosts)",
+                )
+

@@ -36,7 +36,8 @@ async def endpoint_score(
     headers = resolve_headers(grader.headers, where=f"{where}.headers")
     body = {"sample": sample, "item": item, "trace_id": trace_id or new_trace_id()}
     answer = await post_json(
-        grader.url, body, headers=headers, context=context, kind="endpoint_grader_server_error"
+        grader.url, body, headers=headers, context=context, kind="endpoint_grader_server_error",
+        allowed_hosts=grader.allowed_hosts,
     )
     score = answer.get("score") if isinstance(answer, dict) else None
     if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):

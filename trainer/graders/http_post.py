@@ -26,6 +26,7 @@ import httpx
 
 from trainer.graders.context import GraderContext
 from trainer.graders.result import GraderError
+from trainer.outbound import OutboundRefused, policed_client
 from trainer.wire import RateLimit, retry_after_s
 
 _RETRIED_STATUS = frozenset({408, 429})
@@ -38,20 +39,26 @@ _LIMITS: weakref.WeakKeyDictionary[
 
 
 async def post_json(
-    url: str, body: dict[str, Any], *, headers: dict[str, str], context: GraderContext, kind: str
+    url: str, body: dict[str, Any], *, headers: dict[str, str], context: GraderContext, kind: str,
+    allowed_hosts: list[str] | None = None,
 ) -> Any:
-    """POST `body` as JSON and return the parsed JSON answer of a 2xx response."""
-    context.check_host(url)
-    shown = _without_query(url)
+    """POST `body` as JSON and return the parsed JSON answer of a 2xx response. The URL must
+    pass the context's and the grader's `allowed_hosts`, on its name now and on the address
+    it resolves to when the connection is made; no redirect is followed."""
+    context.check_host(url, allowed_hosts)
+    shown = without_query(url)
     limit = _rate_limit(shown, context.max_requests_per_second)
     started = time.monotonic()
     failure = ""
-    async with httpx.AsyncClient(timeout=context.http_timeout_s, verify=_ssl_context()) as client:
+    async with policed_client(context.policies(allowed_hosts), timeout=context.http_timeout_s,
+                              verify=_ssl_context()) as client:
         for attempt in range(1, context.http_attempts + 1):
             await limit.wait()
             asked = None
             try:
                 response = await client.post(url, json=body, headers=headers)
+            except OutboundRefused as exc:
+                raise GraderError("other_error", f"POST {shown}: {exc}") from None
             except httpx.TimeoutException:
                 failure = f"timed out after {context.http_timeout_s:g} s"
             except httpx.TransportError as exc:
@@ -110,7 +117,7 @@ def _rate_limit(url: str, rate: float | None) -> RateLimit:
     return limits[url, rate]
 
 
-def _without_query(url: str) -> str:
+def without_query(url: str) -> str:
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
 

@@ -137,7 +137,8 @@ async def _ask_judge(
     }
     body.update(_sampling_params(grader))
     answer = await post_json(
-        url, body, headers=headers, context=context, kind="model_grader_server_error"
+        url, body, headers=headers, context=context, kind="model_grader_server_error",
+        allowed_hosts=grader.allowed_hosts,
     )
     try:
         choice = answer["choices"][0]

@@ -11,7 +11,7 @@ Before the user's code runs, this process
    (a backstop for the parent's wall-time kill), file size (1 GB, OpenAI's disk limit)
    and no core dumps;
 2. installs a seccomp filter (Linux x86_64 / aarch64) that the kernel enforces even
-   against ctypes: no new processes (fork, vfork, clone without CLONE_THREAD; clone3
+   against ctypes (and `_socket`): no new processes (fork, vfork, clone without CLONE_THREAD; clone3
    answers ENOSYS so threads fall back to clone), no sockets, no ptrace or
    process_vm_writev, and signals only to itself;
 3. fences the file system with Landlock (Linux 5.13 and later; the kernel enforces it
@@ -20,13 +20,20 @@ Before the user's code runs, this process
    and the system's shared libraries, read and write only its own temporary folder, and
    open no TCP connection (Landlock ABI 4 and later). Everything else, the server's
    files, the MLflow store, the registry's models and the project's code included,
-   answers EACCES. With `fence: "required"` (graders that arrive over the network, from
-   `agentrft api`) a kernel without Landlock is an error and the code does not run;
-   with `"best_effort"` (the config author's own graders) it runs with the other fences;
-4. replaces `socket.socket`, `socket.create_connection`, `socket.getaddrinfo`,
-   `os.fork`, `os.system`, `subprocess.Popen` and friends with functions that raise
-   PermissionError with a readable message (the filter alone would give bare errnos,
-   and it is the only guard where seccomp is unavailable).
+   answers EACCES;
+4. replaces `socket.socket`, `_socket.socket`, `socket.create_connection`,
+   `socket.getaddrinfo`, `os.fork`, `os.system`, `subprocess.Popen` and friends with
+   functions that raise PermissionError with a readable message (the filter alone would
+   give bare errnos; where there is no filter these are the only guard, and Python code
+   can always reach the real C type behind them, so they are not a fence).
+
+With `fence: "required"` (graders that arrive over the network, from `agentrft api`, and
+any grader that asks for it) a fence that cannot be put in place is an error and the code
+does not run: no Landlock, a seccomp filter the kernel refuses, a CPU architecture the
+filter does not know. With `"best_effort"` (the config author's own graders) the code runs
+behind whatever fences hold, and the answer says which did not (`"unfenced": [reasons]`),
+so the parent can tell the user; nothing is printed to this process's stderr, which the
+parent reads only when grading fails.
 
 RLIMIT_NPROC is not used: it counts every process of the user, and root (which the
 trainer often is in containers) ignores it; the seccomp filter is what stops fork bombs.
@@ -36,6 +43,7 @@ memory within the limits above, and reading the files the interpreter's installa
 This module imports only the standard library: `-I` keeps the project off sys.path.
 """
 
+import _socket
 import ctypes
 import json
 import math
@@ -86,17 +94,25 @@ def main() -> None:
     answer_fd = os.dup(1)
     os.dup2(2, 1)  # the user's prints land on stderr, not in the answer
     sys.stdout = sys.stderr
+    required = request.get("fence") == "required"
     _limit_resources(request["memory_mb"], request["cpu_s"])
-    fenced = _fence_file_system(os.getcwd())
-    if fenced is not None and request.get("fence") == "required":
-        os.write(answer_fd, (json.dumps({"kind": "python_grader_server_error", "message": fenced}) + "\n").encode())
-        return
-    if fenced is not None:
-        print(f"python grader: {fenced}; running without a file-system fence", file=sys.stderr)
-    _install_seccomp_filter()
+    unfenced = []
+    for fence in (lambda: _fence_file_system(os.getcwd()), _install_seccomp_filter):
+        problem = fence()
+        if problem is not None:
+            unfenced.append(problem)
+            if required:  # before any of the user's code runs
+                _answer(answer_fd, {"kind": "python_grader_server_error", "message": (
+                    f"the python grader's fence is required (fence: required) and cannot be put in place here: "
+                    f"{problem}; the grader did not run")})
+                return
     _install_python_guards()
     answer = _run(request["source"], request["sample"], request["item"])
-    os.write(answer_fd, (json.dumps(answer) + "\n").encode())
+    _answer(answer_fd, {**answer, "unfenced": unfenced} if unfenced else answer)
+
+
+def _answer(fd: int, answer: dict) -> None:
+    os.write(fd, (json.dumps(answer) + "\n").encode())
 
 
 def _run(source: str, sample: dict, item: dict) -> dict:
@@ -187,7 +203,8 @@ def _fence_file_system(workdir: str) -> str | None:
     TCP; None when the fence is in place, else why it is not."""
     abi = landlock_abi()
     if abi < 1:
-        return "this kernel offers no Landlock (Linux 5.13 and later, enabled in the LSM list)"
+        return ("no file-system fence: this kernel offers no Landlock (Linux 5.13 and later, enabled in the LSM "
+                "list)")
     handled = _fs_rights(abi)
 
     class _Ruleset(ctypes.Structure):
@@ -203,7 +220,7 @@ def _fence_file_system(workdir: str) -> str | None:
     ruleset = _Ruleset(handled, net, 0)
     fd = libc.syscall(_LANDLOCK_CREATE_RULESET, ctypes.byref(ruleset), ctypes.c_size_t(size), ctypes.c_uint32(0))
     if fd < 0:
-        return f"Landlock refused the ruleset ({os.strerror(ctypes.get_errno())})"
+        return f"no file-system fence: Landlock refused the ruleset ({os.strerror(ctypes.get_errno())})"
     try:
         read = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
         rules = [(path, read) for path in _readable_roots()] + [(workdir, handled), ("/dev/null", _FS_READ_FILE | _FS_WRITE_FILE)]
@@ -217,26 +234,28 @@ def _fence_file_system(workdir: str) -> str | None:
                     allowed &= _FS_FILE_RIGHTS & handled
                 rule = _PathBeneath(allowed, target)
                 if libc.syscall(_LANDLOCK_ADD_RULE, fd, _LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0) != 0:
-                    return f"Landlock refused a rule for {path} ({os.strerror(ctypes.get_errno())})"
+                    return f"no file-system fence: Landlock refused a rule for {path} ({os.strerror(ctypes.get_errno())})"
             finally:
                 os.close(target)
         if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            return f"no_new_privs refused ({os.strerror(ctypes.get_errno())})"
+            return f"no file-system fence: no_new_privs refused ({os.strerror(ctypes.get_errno())})"
         if libc.syscall(_LANDLOCK_RESTRICT_SELF, fd, ctypes.c_uint32(0)) != 0:
-            return f"Landlock refused to restrict this process ({os.strerror(ctypes.get_errno())})"
+            return f"no file-system fence: Landlock refused to restrict this process ({os.strerror(ctypes.get_errno())})"
     finally:
         os.close(fd)
     return None
 
 
-def _install_seccomp_filter() -> None:
-    syscalls = _SYSCALLS.get(platform.machine())
-    if syscalls is None or not sys.platform.startswith("linux"):
-        print(
-            "python grader: no seccomp filter on this platform; Python-level guards only",
-            file=sys.stderr,
-        )
-        return
+def _install_seccomp_filter() -> str | None:
+    """The kernel filter on processes, sockets and signals; None when it is in place, else why
+    it is not."""
+    machine = platform.machine()
+    syscalls = _SYSCALLS.get(machine)
+    if not sys.platform.startswith("linux"):
+        return f"no seccomp filter: seccomp is Linux's, this is {sys.platform}"
+    if syscalls is None:
+        return (f"no seccomp filter: the filter knows the system calls of {', '.join(_SYSCALLS)}, not of this "
+                f"CPU architecture ({machine})")
     program = _filter_program(syscalls, os.getpid())
     # struct sock_filter {u16 code; u8 jt; u8 jf; u32 k}, in the machine's byte order
     filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *op) for op in program))
@@ -257,11 +276,8 @@ def _install_seccomp_filter() -> None:
         libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
         or libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0) != 0
     ):
-        errno = ctypes.get_errno()
-        print(
-            f"python grader: seccomp filter refused ({os.strerror(errno)}); Python-level guards only",
-            file=sys.stderr,
-        )
+        return f"no seccomp filter: the kernel refused it ({os.strerror(ctypes.get_errno())})"
+    return None
 
 
 def _filter_program(nr: dict, pid: int) -> list[tuple[int, int, int, int]]:
@@ -322,9 +338,16 @@ def _install_python_guards() -> None:
 
     no_network = refuse("network access")
     socket.socket.__init__ = no_network
-    socket.create_connection = no_network
-    socket.getaddrinfo = no_network
-    socket.gethostbyname = no_network
+    for name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo", "gethostbyname",
+                 "gethostbyname_ex", "gethostbyaddr"):
+        setattr(socket, name, no_network)
+    # `_socket` is the C module under `socket`: its type cannot be patched, so the names that
+    # reach it are replaced (the type itself stays reachable, e.g. through socket.socket's
+    # bases, which only the kernel filter stops).
+    for name in ("socket", "SocketType", "socketpair", "fromfd", "dup", "getaddrinfo", "gethostbyname",
+                 "gethostbyname_ex", "gethostbyaddr"):
+        if hasattr(_socket, name):
+            setattr(_socket, name, no_network)
     no_processes = refuse("starting processes")
     for name in _PROCESS_FUNCTIONS:
         if hasattr(os, name):

@@ -268,6 +268,7 @@ class GRPOTrainer:
                     resident, _ = self.release()
                     metrics["timing/release_s"] = time.perf_counter() - released
                     metrics["memory/rss_gib"], metrics["memory/peak_rss_gib"] = resident, peak_rss_gib()
+                    metrics["progress/total_steps"] = float(self.total_steps)  # the API's step/total_steps
                     self.step = step
                     self._log(step, metrics)
                     if step % training.checkpoint_interval == 0 or step == last:

@@ -62,9 +62,9 @@ def node_topology(config: Any, environ: dict[str, str] | None = None) -> tuple[i
     return int(rank), host, int(port)
 
 
-def launch_command(config: Any, argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+def launch_command(config: Any, argv: Sequence[str], *, command_name: str = "train") -> tuple[list[str], dict[str, str]]:
     """The `accelerate launch` command (and the environment it adds) that runs
-    `agentrft train` with `argv` on the config's processes."""
+    `agentrft train` (or `command_name`: `warm-start`) with `argv` on the config's processes."""
     import torch
 
     command = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -104,7 +104,7 @@ def launch_command(config: Any, argv: Sequence[str]) -> tuple[list[str], dict[st
             per_node = processes // config.training.nodes
             threads = max(1, (psutil.cpu_count(logical=False) or 1) // per_node)
             command += ["--num_cpu_threads_per_process", str(threads)]
-    return [*command, "-m", "flows.cli", "train", *argv], env
+    return [*command, "-m", "flows.cli", command_name, *argv], env
 
 
 def run(config: Any, *, model: str | None, output_dir: str | None, mlflow_run_id: str | None,

@@ -89,6 +89,9 @@ class MetricsSink:
         self.timeout_s = unavailable_timeout_s
         self._client = None
         self._already_logged: set[int] = set()
+        # Traces handed to MLflow's background export and not yet seen in the store:
+        # (trace id, record, step, kind).
+        self._unconfirmed: list[tuple[str, Any, int, str]] = []
         if self.run_id:
             from mlflow import MlflowClient
 
@@ -153,16 +156,50 @@ class MetricsSink:
 
         run = self._retry(lambda: self._client.get_run(self.run_id), "reading the run")
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or self._client.tracking_uri
-        self._retry(lambda: log_rollout_traces(records, experiment_id=run.info.experiment_id, run_id=self.run_id,
-                                               step=step, kind=kind, tracking_uri=uri, flush=False),
-                    f"logging the rollout traces of step {step}")
+        ids = self._retry(lambda: log_rollout_traces(records, experiment_id=run.info.experiment_id,
+                                                     run_id=self.run_id, step=step, kind=kind, tracking_uri=uri,
+                                                     flush=False),
+                          f"logging the rollout traces of step {step}")
+        self._unconfirmed.extend((trace_id, record, step, kind) for trace_id, record in zip(ids, records, strict=True))
 
-    def flush_traces(self) -> None:
-        """Wait until the traces logged so far are in the store (`log_traces` does not)."""
-        if self._client is not None:
-            import mlflow
+    def flush_traces(self, rounds: int = 3) -> None:
+        """Wait until the traces logged so far are in the store (`log_traces` does not), and
+        log again those that are not there whole: MLflow's background export logs a warning
+        and drops a trace whose write failed (a SQLite store locked by another writer). A
+        trace still missing after `rounds` is named in a warning, never dropped unsaid."""
+        if self._client is None:
+            return
+        import mlflow
 
+        for attempt in range(rounds):
             self._retry(mlflow.flush_trace_async_logging, "flushing the rollout traces")
+            missing = [entry for entry in self._unconfirmed if not self._stored(*entry[:2])]
+            self._unconfirmed = []
+            if not missing:
+                return
+            steps = sorted({step for _, _, step, _ in missing})
+            if attempt == rounds - 1:
+                print(f"MLflow: {len(missing)} rollout traces of steps {steps} are not in the store after "
+                      f"{rounds} tries (the rollouts themselves are in the run's rollouts/ files)", flush=True)
+                return
+            print(f"MLflow: {len(missing)} rollout traces of steps {steps} did not reach the store; logging them "
+                  "again", flush=True)
+            for step, kind in sorted({(step, kind) for _, _, step, kind in missing}):
+                self.log_traces([record for _, record, s, k in missing if (s, k) == (step, kind)], step=step, kind=kind)
+
+    def _stored(self, trace_id: str, record: Any) -> bool:
+        """Whether the store holds trace `trace_id` with every span `log_rollout_traces` gave it."""
+        from mlflow.exceptions import MlflowException
+
+        from trainer.rollout.traces import span_count
+
+        try:
+            trace = self._retry(lambda: self._client.get_trace(trace_id), f"reading trace {trace_id}")
+        except MlflowException as exc:
+            if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
+        return len(trace.data.spans) == span_count(record)
 
 
 def step_metrics(everything: list[Any], gathered: list[tuple[Any, float | None]], counts: list[tuple], *,

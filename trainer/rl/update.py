@@ -11,6 +11,12 @@ generated tokens (not the prompt, not the tool outputs between turns): the model
 projection is replaced, for the forward, by one that projects `logprob_chunk_tokens` of
 those positions at a time and recomputes each chunk in backward (trainer/rl/loss.py
 `fused_logprobs`), so neither pass holds more than a chunk's [tokens, vocabulary] logits.
+With `training.shared_prefix` a micro-batch holds whole groups (as many rollouts as
+`micro_batch_size` allows; a bigger group is cut), and each group's shared prompt is
+forwarded once, its rollouts packed after it under a shared-prefix mask
+(trainer/rl/shared_prefix.py): the same log-probabilities and gradients, in P + G*R tokens
+instead of G*(P+R). The first update checks the packed forward against the plain one on its
+first micro-batch, and a model it does not hold for is trained without it, the log says why.
 Under DDP (and FSDP) the gradients add up locally (`no_sync`; FSDP's
 `set_requires_gradient_sync`) and are averaged once per update; every process runs
 the same number of updates and micro-batches (short ones are padded with empty ones).
@@ -18,6 +24,7 @@ the same number of updates and micro-batches (short ones are padded with empty o
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Callable
@@ -34,8 +41,11 @@ from trainer.rl.loss import (
     policy_loss,
     token_weights,
 )
-from trainer.rl.sharding import clip_grad_norm
+from trainer.rl.sharding import clip_grad_norm, resolved_mixed_precision
+from trainer.rl.shared_prefix import Packed, attention_masks, pack, prompt_key, unsupported
 from trainer.rollout.record import RolloutRecord
+
+logger = logging.getLogger(__name__)
 
 # Names of the stats summed over micro-batches (and processes) in one step.
 _STATS = ("loss", "kl", "clipped", "entropy", "tokens", "sampler_kl", "tis_capped")
@@ -51,6 +61,9 @@ class PolicyUpdate:
         self.sharded = sharded  # an FSDP2 model (trainer/rl/sharding.py), not one Accelerate wraps
         self.config, self.tokenizer, self.reference, self.temperature = config, tokenizer, reference, temperature
         self.kl_coef_of = kl_coef_of  # a rollout's KL coefficient (`training.kl_coef_by_group`)
+        # Whether each group's prompt is forwarded once: None until the first update checks it.
+        self.shared: bool | None = None if config.training.shared_prefix else False
+        self.shared_off_reason: str | None = None if config.training.shared_prefix else "training.shared_prefix is off"
 
     def update(self, records: list[RolloutRecord], advantages: list[float | None], step: int) -> dict[str, float]:
         """`ppo_epochs` passes of clipped policy-gradient updates over the rollouts that
@@ -61,6 +74,8 @@ class PolicyUpdate:
         sampler_diff_max = torch.zeros((), device=acc.device)
         norms: list[float] = []
         old: dict[int, torch.Tensor] = {}  # rollout index -> logprob of each token, by position
+        if self.shared is None:
+            self._check_shared(list(enumerate(chosen)))
         if training.ppo_epochs > 1 or training.mini_batches > 1:  # the policy before this step's updates, once
             with torch.no_grad():
                 for batch in self._micro_batches(list(enumerate(chosen))):
@@ -121,10 +136,63 @@ class PolicyUpdate:
 
     def _micro_batches(self, rows: list[tuple[int, tuple[RolloutRecord, float]]]) -> list[list[Any]]:
         """Micro-batches of `micro_batch_size` rollouts of similar length (sorted: less
-        padding, and the update's gradient is a sum, so the grouping does not change it)."""
-        ordered = sorted(rows, key=lambda row: len(row[1][0].token_ids))
+        padding, and the update's gradient is a sum, so the grouping does not change it).
+        Shared: by group, whole groups to a micro-batch while they fit, a bigger one cut."""
         size = self.config.training.micro_batch_size
-        return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+        if not self.shared:
+            ordered = sorted(rows, key=lambda row: len(row[1][0].token_ids))
+            return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+        groups: dict[tuple[int, ...], list[Any]] = {}
+        for row in rows:
+            groups.setdefault(prompt_key(row[1][0]), []).append(row)
+        pieces = [group[i : i + size] for group in groups.values() for i in range(0, len(group), size)]
+        batches: list[list[Any]] = []
+        for piece in sorted(pieces, key=len, reverse=True):  # the largest first, then fill the gaps
+            fits = next((b for b in batches if len(b) + len(piece) <= size), None)
+            if fits is None:
+                batches.append(list(piece))
+            else:
+                fits.extend(piece)
+        return batches
+
+    def _check_shared(self, rows: list[tuple[int, tuple[RolloutRecord, float]]]) -> None:
+        """Decide `self.shared` once, on every process alike: the model must take the packed
+        forward, and its log-probabilities on the first micro-batch must be the plain ones."""
+        acc = self.accelerator
+        reason = unsupported(acc.unwrap_model(self.model))
+        difference = 0.0
+        if reason is None:
+            self.shared = True
+            batch = (self._micro_batches(rows) or [[]])[0]
+            with torch.no_grad():
+                shared, tensors = self._logprobs(batch)
+                self.shared = False
+                plain, _ = self._logprobs(batch)
+            mask = tensors["mask"]
+            if mask.any():
+                difference = float((shared - plain).abs()[mask].max())
+        tolerance = 1e-3 if self._float32() else 5e-2
+        verdicts = acc.gather(torch.tensor([float(reason is not None), difference], device=acc.device))
+        verdicts = verdicts.view(acc.num_processes, 2)
+        worst = float(verdicts[:, 1].max())
+        if reason is None and bool(verdicts[:, 0].any()):
+            reason = "another process's model cannot take the packed forward"
+        elif reason is None and worst > tolerance:
+            reason = (f"its log-probabilities differ from the plain forward's by {worst:.2e} (more than "
+                      f"{tolerance:g}) on the first micro-batch")
+        self.shared = reason is None
+        self.shared_off_reason = reason
+        if reason is not None and acc.is_main_process:
+            logger.warning("training.shared_prefix: each rollout is forwarded whole: %s", reason)
+
+    def _float32(self) -> bool:
+        """Whether the update computes in float32 (no autocast, no FSDP bf16 policy)."""
+        if self.accelerator.mixed_precision not in ("no", None):
+            return False
+        if self.sharded and resolved_mixed_precision(self.config.training.mixed_precision) != "no":
+            return False
+        parameter = next(self.accelerator.unwrap_model(self.model).parameters(), None)
+        return parameter is None or parameter.dtype == torch.float32
 
     def _padded(self, batch: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """The micro-batch's rows right-padded on the device: (input ids, attention mask,
@@ -162,14 +230,41 @@ class PolicyUpdate:
         inner = self.accelerator.unwrap_model(forward)
         head = inner.get_output_embeddings()
         config = getattr(inner, "config", None)
+        inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention}
+        keep = width - first + 1
+
+        def select(hidden: torch.Tensor) -> torch.Tensor:  # [rows, keep, H] -> [generated tokens, H]
+            return hidden[:, :-1][mask]
+
+        if self.shared and batch:
+            # Packed by group: the hidden state that predicts each generated token sits at its
+            # predecessor's place in the packed rows.
+            records = [record for _, (record, _) in batch]
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for index, record in enumerate(records):
+                groups.setdefault(prompt_key(record), []).append(index)
+            packed: Packed = pack([r.token_ids for r in records], list(groups.values()), self.tokenizer.pad_token_id)
+            rows, columns = mask.nonzero(as_tuple=True)
+            where = packed.source[rows.cpu(), first + columns.cpu() - 1]
+            packed_width = packed.input_ids.size(1)
+            start = int(where.remainder(packed_width).min()) if where.numel() else packed_width - 1
+            keep = packed_width - start
+            where_rows = (where // packed_width).to(device)
+            where_columns = (where % packed_width - start).to(device)
+            inputs = {"input_ids": packed.input_ids.to(device), "position_ids": packed.position_ids.to(device),
+                      "attention_mask": attention_masks(config, packed, device)}
+
+            def select(hidden: torch.Tensor) -> torch.Tensor:
+                return hidden[where_rows, where_columns]
+
         # A model that transforms its logits after the projection (Gemma's soft-capping,
         # Cohere's logit scale) or has no plain projection: log-probabilities from its logits.
         if (not isinstance(getattr(head, "weight", None), torch.Tensor)
                 or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None)):
-            logits = forward(input_ids=input_ids, attention_mask=attention, use_cache=False,
-                             logits_to_keep=width - first + 1).logits
-            logprobs, ent = chunked_logprobs(logits[:, :-1], input_ids[:, first:], self.temperature, chunk=chunk,
-                                             with_entropy=entropy, mask=mask)
+            logits = select(forward(**inputs, use_cache=False, logits_to_keep=keep).logits)
+            picked, ent = chunked_logprobs(logits[None], targets[None], self.temperature, chunk=chunk,
+                                           with_entropy=entropy)
+            logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=device).masked_scatter(mask, picked[0])
             return logprobs, {"mask": mask, "first": first, "entropy": ent}
         found: dict[str, Any] = {}
 
@@ -178,14 +273,13 @@ class PolicyUpdate:
             # is what the model returns as its logits, so the gradient flows through the
             # model's output (FSDP's backward hooks sit there).
             logprobs, found["entropy"] = fused_logprobs(
-                hidden[:, :-1][mask], head.weight, getattr(head, "bias", None), targets, self.temperature,
+                select(hidden), head.weight, getattr(head, "bias", None), targets, self.temperature,
                 chunk=chunk, with_entropy=entropy)
             return logprobs
 
         head.forward = project
         try:
-            flat = forward(input_ids=input_ids, attention_mask=attention, use_cache=False,
-                           logits_to_keep=width - first + 1).logits
+            flat = forward(**inputs, use_cache=False, logits_to_keep=keep).logits
         finally:
             del head.forward  # the class's forward again
         logprobs = torch.zeros(mask.shape, dtype=flat.dtype, device=device).masked_scatter(mask, flat)

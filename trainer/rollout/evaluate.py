@@ -15,6 +15,7 @@ Nothing here knows Prefect or MLflow: the pipeline's tasks log what this returns
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,11 @@ class EvalSummary:
 
 def _percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else 0.0
+
+
+def sub_reward_key(name: str) -> str:
+    """The metric (after its prefix) of a multi grader's sub-grader `name`: its mean reward."""
+    return "sub_reward/" + re.sub(r"[^\w.-]", "_", name) + "_mean"
 
 
 def summarize(
@@ -128,6 +134,13 @@ def summarize(
         "items": float(len(items)),
     }
     metrics["headroom"] = metrics["best_of_k_mean"] - metrics["score_mean"]
+    # A multi grader's sub-graders, each on its own (OpenAI's per-grader scores), and the
+    # grader errors by kind (OpenAI's per-flag error counts).
+    for name in sorted({name for r in records for name in r.sub_rewards}):
+        values = [r.sub_rewards[name] for r in records if name in r.sub_rewards]
+        metrics[sub_reward_key(name)] = float(np.mean(values))
+    for kind, count in sorted(grader_errors.items()):
+        metrics[f"grader_error/{kind}"] = float(count)
     by_group: dict[str, list[float]] = defaultdict(list)
     for record in scored:
         if record.item_id in groups:

@@ -7,7 +7,9 @@
   tools, grader, settings);
 - `sync(step)`: called after each optimizer step (and after a resume), so that the next
   rollouts see the new weights;
-- `metrics()`: what each step logs about it (`infra/replicas_alive` on vLLM);
+- `metrics()`: what each step logs about it (`infra/replicas_alive` on vLLM; on the embedded
+  engine `rollout/prefix_cache_hit_tokens` and `rollout/prefix_cache_hit_share`, the prompt
+  tokens the prefix cache gave since the last call and their share of all prompt tokens);
 - `reads_training_model`: whether sampling runs the training model itself (then nothing
   may sample while it trains).
 
@@ -65,7 +67,8 @@ class RolloutContext:
         """The embedded engine over `model`, as the rollout settings size it."""
         rollout = self.config.rollout
         return TransformersBackend(model, stop_token_ids=self.stop_token_ids, max_slots=rollout.max_concurrent_rollouts,
-                                   max_len=rollout.max_total_tokens, seed=seed)
+                                   max_len=rollout.max_total_tokens, seed=seed,
+                                   prefix_cache_tokens=rollout.prefix_cache_tokens)
 
     def run(self, backend: GenerationBackend, items: list[dict[str, Any]], n: int, seed: int,
             version: int) -> list[RolloutRecord]:
@@ -90,6 +93,8 @@ class LocalGenerator:
     def __init__(self, trainer: Any, *, frozen: bool = False):
         self.trainer = trainer
         self.copy = None
+        self._prefix_lock = threading.Lock()  # sample() may run in a thread beside the update
+        self._prefix = {"prompt_tokens": 0, "hit_tokens": 0}  # since the last metrics()
         if frozen:
             self.copy = copy.deepcopy(trainer.sampling_model()).requires_grad_(False).eval()
 
@@ -103,7 +108,15 @@ class LocalGenerator:
         return self.trainer.rollout_context.engine(model, seed)
 
     def sample(self, items: list[dict[str, Any]], n: int, seed: int, version: int) -> list[RolloutRecord]:
-        return self.trainer.rollout_context.run(self.backend(seed), items, n, seed, version)
+        backend = self.backend(seed)
+        records = self.trainer.rollout_context.run(backend, items, n, seed, version)
+        self._count_prefix(backend.prefix_stats())
+        return records
+
+    def _count_prefix(self, stats: dict[str, float]) -> None:
+        with self._prefix_lock:
+            for name in self._prefix:
+                self._prefix[name] += stats[name]
 
     def sync(self, step: int) -> None:
         """The live weights need nothing; a frozen copy takes the trainer's current ones."""
@@ -114,8 +127,13 @@ class LocalGenerator:
                     own[name].copy_(tensor)
 
     def metrics(self) -> dict[str, float]:
-        """What the step logs about the generator: nothing here."""
-        return {}
+        """The prefix cache's hits since the last call (none when nothing was sampled)."""
+        with self._prefix_lock:
+            counts, self._prefix = self._prefix, dict.fromkeys(self._prefix, 0)
+        if not counts["prompt_tokens"]:
+            return {}
+        return {"rollout/prefix_cache_hit_tokens": float(counts["hit_tokens"]),
+                "rollout/prefix_cache_hit_share": counts["hit_tokens"] / counts["prompt_tokens"]}
 
 
 def _sampler_main(conn: Any, model: torch.nn.Module, context: RolloutContext, threads: int) -> None:
@@ -133,7 +151,9 @@ def _sampler_main(conn: Any, model: torch.nn.Module, context: RolloutContext, th
         items, n, seed, version = request
         try:
             with torch.no_grad():
-                reply = ("records", context.run(context.engine(model, seed), items, n, seed, version), "")
+                backend = context.engine(model, seed)
+                records = context.run(backend, items, n, seed, version)
+                reply = ("records", (records, backend.prefix_stats()), "")
         except BaseException as exc:  # the trainer raises it, with this process's traceback
             reply = ("error", exc, traceback.format_exc())
         try:
@@ -169,7 +189,9 @@ class ProcessSampler(LocalGenerator):
                 self.conn.send((items, n, seed, version))
             except (BrokenPipeError, OSError) as exc:
                 raise self._died("sampling") from exc
-            return self._reply(timeout_s=None, doing="sampling")
+            records, prefix = self._reply(timeout_s=None, doing="sampling")
+        self._count_prefix(prefix)
+        return records
 
     def _reply(self, *, timeout_s: float | None, doing: str) -> Any:
         begun = time.monotonic()

@@ -12,7 +12,9 @@ The rules a rollout lives by, and why (`RolloutSettings`):
 - A malformed call (a `<tool_call>` block that does not parse, an unknown tool, arguments
   that fail the tool's schema) ends the rollout by default (`on_malformed_call: end`, what
   TRL does): it is graded on what it has, so a broken call never buys a cheaper right
-  answer, and the model does not spend turns in a context it never saw. With `feedback`
+  answer, and the model does not spend turns in a context it never saw. The grader's
+  `sample.output_tools` holds every call the model wrote, with its turn, the ones not run
+  included (a malformed call that parsed, a call past the budget or the turn limit). With `feedback`
   the error is answered like a 4xx, the call counts against `max_episode_steps` and it is
   charged at least the price of any real call. Malformed calls are counted in every mode.
 - A turn cut by `max_new_tokens_per_turn` or the context (finish_reason `length`) ends
@@ -112,6 +114,7 @@ async def _one_rollout(
     if settings.system_prompt:
         messages.append({"role": "system", "content": settings.system_prompt})
     messages.extend(m for m in item["messages"] if m.get("role") != "system" or not settings.system_prompt)
+    prompt_messages = len(messages)
     record = RolloutRecord(
         trace_id=new_trace_id(),
         item_id=item_id,
@@ -138,7 +141,7 @@ async def _one_rollout(
                 driver.backend.release(seq_id)
         record.latency_s = time.perf_counter() - started
     if record.status != "infra_error":
-        await _grade(record, item, grader)
+        await _grade(record, item, grader, prompt_messages)
         compute_reward(record, settings)
     return record
 
@@ -248,11 +251,19 @@ async def _loop_turns(
         append_ids = chat.bridge_ids(messages, n_done, tools)
 
 
-async def _grade(record: RolloutRecord, item: dict[str, Any], grader: dict[str, Any]) -> None:
-    output_tools = [
-        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-        for call in record.tool_calls
-    ]
+async def _grade(record: RolloutRecord, item: dict[str, Any], grader: dict[str, Any], prompt_messages: int) -> None:
+    """The grader's sample: the final answer and every tool call the model wrote, in order, each
+    with the assistant `turn` (1-based) that wrote it. Calls the loop did not run count too (a
+    malformed call that parsed, a call past the budget or the turn limit): they are what the model
+    answered, and a benchmark's checker judges what the model answered (BFCL's irrelevance
+    categories fail any call at all). Blocks that did not parse as a call are not calls."""
+    output_tools = []
+    turn = 0
+    for message in record.messages[prompt_messages:]:
+        if message.get("role") != "assistant":
+            continue
+        turn += 1
+        output_tools.extend({**call, "turn": turn} for call in message.get("tool_calls") or [])
     result = await grade_async(grader, sample_from_text(record.final_answer, output_tools), item,
                                trace_id=record.trace_id)
     record.score = result.reward

@@ -47,8 +47,9 @@ from urllib.parse import urlparse
 
 from jsonschema.exceptions import best_match
 
-from trainer.config.tools import ToolEndpoint, tool_validators
+from trainer.config.tools import ANY_TOOL, ToolEndpoint, tool_validators
 from trainer.errors import ConfigError, DataError
+from trainer.outbound import policy_of
 from trainer.rollout.tool_http import KEEPALIVE_EXPIRY_S, Endpoint, ToolClientStats, ToolTransport
 from trainer.wire import ENV_REF, RateLimit, new_call_id, resolve_headers
 
@@ -146,16 +147,21 @@ class ToolClient:
 
         self._tools: dict[str, Endpoint] = {}
         limits: dict[str, RateLimit] = {}
+        try:
+            policy = policy_of(allowed_hosts)
+        except ValueError as exc:
+            raise ConfigError(f"tool client: allowed_hosts: {exc}") from None
         secrets: set[str] = set()
         for i, endpoint in enumerate(endpoints):
             where = f"tools.endpoints[{i}]"
             if endpoint.name in self._tools:
                 raise ConfigError(f"{where}: tool {endpoint.name!r} has two endpoints; keep one")
-            host = urlparse(endpoint.server_url).hostname
-            if allowed_hosts is not None and host not in allowed_hosts:
+            refusal = policy.url_refusal(endpoint.server_url, resolve=False) if policy else None
+            if refusal:
                 raise ConfigError(
-                    f"{where}.server_url: host {host!r} of tool {endpoint.name!r} is not in "
-                    f"allowed_hosts {allowed_hosts}; add it there or fix the URL"
+                    f"{where}.server_url: host {urlparse(endpoint.server_url).hostname!r} of tool "
+                    f"{endpoint.name!r} is not in allowed_hosts "
+                    f"{allowed_hosts}: {refusal}; add it there or fix the URL"
                 )
             if endpoint.server_url not in limits:
                 limits[endpoint.server_url] = RateLimit(max_requests_per_second)
@@ -185,7 +191,7 @@ class ToolClient:
             # one pool sized so that every endpoint can use its whole concurrency at once
             pool=max_concurrency_per_endpoint * max(len(self._tools), 1),
             timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, max_body_bytes=max_body_bytes,
-            keepalive_expiry_s=keepalive_expiry_s, seed=seed,
+            keepalive_expiry_s=keepalive_expiry_s, seed=seed, policy=policy,
             secrets=sorted((v for v in secrets if len(v) >= _MIN_SECRET_CHARS), key=len, reverse=True),
         )
 
@@ -320,7 +326,8 @@ class ToolClient:
                 0,
             )
 
-        status, text, attempts = await self.transport.post(self._tools[name], content)
+        endpoint = self._tools.get(name) or self._tools[ANY_TOOL]  # check_call made sure one serves it
+        status, text, attempts = await self.transport.post(endpoint, content)
         if status >= 400:
             return answer(f"Error {status}: {_error_detail(text)}", "http_4xx", status, attempts)
         return answer(text, None, status, attempts)

@@ -37,6 +37,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, sto
 
 from trainer.config.tools import ToolEndpoint
 from trainer.errors import InfraError
+from trainer.outbound import HostPolicy, OutboundRefused, policed_client
 from trainer.wire import RateLimit, retry_after_s
 
 logger = logging.getLogger(__name__)
@@ -118,11 +119,16 @@ class _ResponseTooLarge(Exception):
     """The answer exceeded max_body_bytes; retrying would not shrink it."""
 
 
+class _Refused(Exception):
+    """allowed_hosts refused the connection; retrying would not change that."""
+
+
 class ToolTransport:
     """The HTTP side of a `ToolClient`: one connection pool, the retry policy, the stats."""
 
     def __init__(self, *, pool: int, timeout_s: float, max_retries: int, backoff_s: float,
-                 max_body_bytes: int, keepalive_expiry_s: float, seed: int, secrets: list[str]):
+                 max_body_bytes: int, keepalive_expiry_s: float, seed: int, secrets: list[str],
+                 policy: HostPolicy | None = None):
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -130,7 +136,9 @@ class ToolTransport:
         self.stats = ToolClientStats()
         self._rng = random.Random(seed)
         self._secrets = secrets  # longest first: one may contain another
-        self.http = httpx.AsyncClient(
+        # Where the connections may go (allowed_hosts), checked on each resolved address.
+        self.http = policed_client(
+            [policy] if policy else [],
             timeout=httpx.Timeout(timeout_s),
             limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool,
                                 keepalive_expiry=keepalive_expiry_s),
@@ -194,6 +202,9 @@ class ToolTransport:
                     f"tool endpoint {endpoint.name!r} ({endpoint.server_url}) answered more than "
                     f"max_body_bytes={self.max_body_bytes} bytes; make the tool return less or raise max_body_bytes",
                     endpoint, attempts) from None
+            except _Refused as refused:
+                raise self._infra_error(f"tool endpoint {endpoint.name!r} ({endpoint.server_url}): {refused}",
+                                        endpoint, attempts) from None
             except _PastDeadline as past:
                 failure = past.failure
                 raise self._infra_error(
@@ -238,6 +249,8 @@ class ToolTransport:
                 async with self.http.stream("POST", tool.endpoint.server_url, content=content, headers=headers,
                                             extensions={"trace": use}) as response:
                     raw = await self._read_capped(response)
+        except OutboundRefused as exc:
+            raise _Refused(str(exc)) from None
         except (TimeoutError, httpx.TimeoutException):
             raise _InfraFailure(f"timed out after {self.timeout_s} s", "timeout") from None
         except httpx.RequestError as exc:

@@ -86,6 +86,13 @@ def _log_grade(trace_id: str, record: RolloutRecord, item: dict[str, Any] | None
                                source=AssessmentSource(source_type=AssessmentSourceType.CODE, source_id="dataset"))
 
 
+def span_count(record: RolloutRecord) -> int:
+    """How many spans `_log_one` gives `record`'s trace: the rollout, each turn, the tool
+    calls of those turns, and the grade."""
+    turns = len(record.turn_seconds)
+    return 2 + turns + sum(1 for call in record.tool_calls if 1 <= call.turn <= turns)
+
+
 def _log_one(client: Any, record: RolloutRecord, *, experiment_id: str, run_id: str, step: int, kind: str) -> str:
     start = record.started_at or 0.0
     user = [m for m in record.messages if m.get("role") in ("system", "user")]

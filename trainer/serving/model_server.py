@@ -40,6 +40,10 @@ from trainer.errors import ConfigError
 from trainer.generation.backend import SamplingParams, TurnOutput
 from trainer.generation.policy import Policy, load_policy, load_registered_policy
 
+# A chat request's JSON is read whole before it is parsed; past this it is a 413 instead. 1 MiB
+# of text is far more tokens than any context served here.
+MAX_JSON_BYTES = 1024 * 1024
+
 
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -179,7 +183,8 @@ class ChatTraces:
 
 def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, max_len: int = 4096,
                      api_key: str | None = None, trace_to: str | None = None,
-                     trace_experiment: str = "agentrft-served", max_queue: int = 64) -> FastAPI:
+                     trace_experiment: str = "agentrft-served", max_queue: int = 64,
+                     max_json_bytes: int = MAX_JSON_BYTES) -> FastAPI:
     service = EngineService(policy, max_slots=max_slots, max_len=max_len, max_queue=max_queue)
     traces = ChatTraces(trace_to, trace_experiment, model_name) if trace_to else None
     app = FastAPI(title="agentrft model server")
@@ -196,7 +201,11 @@ def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, ma
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> JSONResponse:
-        body = parse_chat_request(await request.body())
+        try:
+            raw = await capped_body(request, max_json_bytes)
+        except BodyTooLarge as exc:
+            return _error(413, str(exc))
+        body = parse_chat_request(raw)
         if isinstance(body, JSONResponse):
             return body
         if body.model and body.model != model_name:
@@ -204,6 +213,28 @@ def create_model_app(policy: Policy, *, model_name: str, max_slots: int = 32, ma
         return await chat_completion(service, body, model_name=model_name, traces=traces)
 
     return app
+
+
+class BodyTooLarge(Exception):
+    """A request body past the server's limit."""
+
+
+async def capped_body(request: Request, max_bytes: int, *, setting: str = "--max-json-bytes") -> bytes:
+    """The request body, read only while it stays within `max_bytes`: past it (by its
+    Content-Length, before anything is read, or counted as a chunked body streams in)
+    BodyTooLarge, and the rest is never read nor kept."""
+    declared = request.headers.get("content-length")
+    message = (f"the request body is larger than {max_bytes} bytes, this server's limit for JSON bodies "
+               f"({setting}); send less (files go to POST /v1/files)")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(message)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(message)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def parse_chat_request(raw: bytes) -> ChatRequest | JSONResponse:
@@ -293,7 +324,8 @@ def _normalise(message: dict[str, Any]) -> dict[str, Any]:
 def serve_model(model: str, *, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
                 dtype: str = "auto", max_slots: int = 32, max_len: int = 4096, tracking_uri: str | None = None,
                 api_key: str | None = None, chat_format: str = "auto", enable_thinking: bool | None = None,
-                trace_to: str | None = None, trace_experiment: str = "agentrft-served", max_queue: int = 64) -> None:
+                trace_to: str | None = None, trace_experiment: str = "agentrft-served", max_queue: int = 64,
+                max_json_bytes: int = MAX_JSON_BYTES) -> None:
     """Serve `model`: a path or hub id, or a registry URI loaded through MLflow's
     transformers flavour (`mlflow.transformers.load_model`)."""
     import uvicorn
@@ -306,5 +338,6 @@ def serve_model(model: str, *, host: str = "127.0.0.1", port: int = 8000, device
                              enable_thinking=enable_thinking)
     app = create_model_app(policy, model_name=model, max_slots=max_slots, max_len=max_len,
                            api_key=resolve_api_key(api_key), trace_to=trace_to, trace_experiment=trace_experiment,
-                           max_queue=max_queue)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+                           max_queue=max_queue, max_json_bytes=max_json_bytes)
+    # A generation in progress gets 2 s after SIGTERM; the engine's driver thread is a daemon.
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=2)

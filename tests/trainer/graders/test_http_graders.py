@@ -419,7 +419,7 @@ def test_allowed_hosts_blocks_other_hosts(server: Any) -> None:
     context = GraderContext(allowed_hosts=("judge.internal",))
     result = grade(endpoint(server, "ok"), SAMPLE, ITEM, context=context)
     assert result.reward is None
-    assert "'127.0.0.1' is not in the allowed hosts" in result.errors["other_error"]
+    assert "is not in allowed_hosts (judge.internal)" in result.errors["other_error"]
     assert (
         grade(
             endpoint(server, "ok"),

@@ -130,9 +130,14 @@ def test_network_is_blocked() -> None:
 
 @linux_only
 def test_network_is_blocked_below_python() -> None:
-    source = "import _socket\ndef grade(sample, item):\n    _socket.socket()\n    return 1.0\n"
-    result = grade(python_grader(source), SAMPLE, ITEM, context=CONTEXT)
-    assert result.errors == {
+    """`_socket` is guarded in Python too; its C type, reachable through socket.socket's
+    bases, is stopped by the kernel filter."""
+    guarded = "import _socket\ndef grade(sample, item):\n    _socket.socket()\n    return 1.0\n"
+    assert grade(python_grader(guarded), SAMPLE, ITEM, context=CONTEXT).errors == {
+        "python_grader_runtime_error": "PermissionError: network access is disabled in python graders"
+    }
+    below = "import socket\ndef grade(sample, item):\n    socket.socket.__mro__[1]()\n    return 1.0\n"
+    assert grade(python_grader(below), SAMPLE, ITEM, context=CONTEXT).errors == {
         "python_grader_runtime_error": "PermissionError: [Errno 13] Permission denied"
     }
 
