@@ -104,11 +104,13 @@ def taught(world):
     return model, tokenizer, conversations
 
 
-def _run(taught, world, *, endpoints, settings=None, seed=0, temperature=0.0, n=1, items=None, grader=GRADER):
+def _run(taught, world, *, endpoints, settings=None, seed=0, temperature=0.0, n=1, items=None, grader=GRADER,
+         **engine):
     model, tokenizer, _ = taught
     all_items, _ = world
     settings = settings or RolloutSettings(system_prompt=SYSTEM, temperature=temperature, max_new_tokens_per_turn=200)
-    backend = TransformersBackend(model, stop_token_ids=[tokenizer.eos_token_id], max_slots=16, max_len=2048, seed=seed)
+    engine = {"max_slots": 16, "max_len": 2048, **engine}
+    backend = TransformersBackend(model, stop_token_ids=[tokenizer.eos_token_id], seed=seed, **engine)
 
     async def go():
         async with ToolClient(endpoints, None, backoff_s=0.01, timeout_s=5) as client:
@@ -265,3 +267,29 @@ def test_a_turn_gets_the_context_left_and_a_rollout_stops_when_too_little_is(tau
     assert cut.status == "truncated" and cut.finish_reasons == ["length"] and cut.truncated and cut.score == 0.0
     # with fewer than MIN_TURN_TOKENS left, no turn starts at all
     assert stopped.status == "max_turns" and stopped.tokens_generated == 0 and stopped.turns == 0
+
+
+def test_a_rollout_waiting_for_a_slot_starts_when_the_last_ones_end_in_one_step(taught, world):
+    """More rollouts than slots: the third waits in the engine's queue. When the two in the
+    slots end in the same step (same prompt, greedy, no prefix cache to stagger them), the
+    driver has nothing generating; their release must wake it, or the third waits forever
+    (seen in CI as a 600 s hang)."""
+    items, corpus = world
+    settings = RolloutSettings(system_prompt=SYSTEM, temperature=0.0, max_new_tokens_per_turn=6)
+
+    def bounded(*args, **kwargs):
+        import threading
+
+        out: list = []
+        worker = threading.Thread(target=lambda: out.append(_run(*args, **kwargs)), daemon=True)
+        worker.start()
+        worker.join(timeout=120)
+        assert not worker.is_alive(), "the queued rollout never started: the driver slept"
+        return out[0]
+
+    with local_tool_endpoints(corpus) as endpoints:
+        records = bounded(taught, world, endpoints=endpoints, items=[items[0]], settings=settings, n=3,
+                          max_slots=2, prefix_cache_tokens=0)
+    assert [r.sample_index for r in records] == [0, 1, 2]
+    assert all(r.status == "truncated" and r.tokens_generated == 6 for r in records)
+    assert len({tuple(r.token_ids) for r in records}) == 1  # greedy: the same turn, ended in the same step

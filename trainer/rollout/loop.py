@@ -79,6 +79,13 @@ class _Driver:
         self.wake.set()
         return future
 
+    def release(self, seq_id: str) -> None:
+        """Free the sequence's slot and wake the driver: a sequence queued for a slot (more
+        rollouts than slots) starts only at a step, and the driver sleeps when nothing else
+        is generating."""
+        self.backend.release(seq_id)
+        self.wake.set()
+
     async def run(self) -> None:
         while not self.closed:
             for seq_id, append_ids, params in self.queue:
@@ -138,7 +145,7 @@ async def _one_rollout(
             await _loop_turns(driver, chat, record, item, append_ids, params, tools, tool_client, settings, seq_id)
         finally:
             if record.token_ids:  # a sequence exists once its first turn was submitted
-                driver.backend.release(seq_id)
+                driver.release(seq_id)
         record.latency_s = time.perf_counter() - started
     if record.status != "infra_error":
         await _grade(record, item, grader, prompt_messages)
